@@ -1,0 +1,84 @@
+"""Contracts between the reference engine, drafters and verify-length policies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from sglang_hspec.target.kv_view import TargetKVView
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature == 0 means greedy. top_k == 0 and top_p == 1 disable those filters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class DraftContext:
+    """Everything a drafter may read for one speculative step of B requests.
+
+    Position convention: the target KV cache holds positions 0..n of request b (n = last committed
+    position, `last_position[b]`); the anchor is the last token sampled by the target (its bonus
+    token), not yet in the KV cache, at position n+1. Slot j (0-based) of the block predicts the token
+    at position n+2+j ("anchor then k-1 masks", DSpark's slot convention)."""
+
+    anchor_tokens: torch.Tensor  # [B] long
+    last_position: torch.Tensor  # [B] long, n
+    # target hidden states at position n for the drafter's target layer ids, [B, num_ids, hidden]
+    # (id L = output of decoder layer L); None when the drafter asked for no layers
+    target_hidden: torch.Tensor | None
+    # layer id -> read-only window over that target layer's post-RoPE KV cache
+    kv_views: dict[int, TargetKVView] = field(default_factory=dict)
+    # committed token ids per request (prompt + generated, excluding the anchor), for n-gram drafters
+    token_history: list[list[int]] | None = None
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.Tensor  # [B, k] long, target vocabulary ids
+    # draft distributions over the target vocabulary [B, k, V], after the engine's sampling
+    # transforms (temperature/top-k/top-p); None = deterministic proposal (q is one-hot on tokens)
+    q: torch.Tensor | None = None
+    # raw (pre-sigmoid, pre-STS) confidence logits per slot [B, k]; None when the drafter has no head
+    confidence_logits: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+    block_size: int  # k: tokens proposed per step
+    target_layer_ids: tuple[int, ...]  # hidden states the engine must capture at position n
+    kv_layer_ids: tuple[int, ...]  # target layers whose KV the drafter reads
+    window: int  # KV window (positions max(0, n+1-W)..n)
+
+    def propose(
+        self, ctx: DraftContext, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> DraftProposal: ...
+
+    def reset(self) -> None:
+        """Forget per-request state (the engine calls it at the start of each generate call)."""
+        ...
