@@ -65,6 +65,8 @@ class DraftProposal:
     q: torch.Tensor | None = None
     # raw (pre-sigmoid, pre-STS) confidence logits per slot [B, k]; None when the drafter has no head
     confidence_logits: torch.Tensor | None = None
+    # real proposals per row [B] (<= k); None = k for every row (n-gram drafters may find fewer)
+    lengths: torch.Tensor | None = None
 
 
 @runtime_checkable
