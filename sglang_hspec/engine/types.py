@@ -55,6 +55,14 @@ class DraftContext:
     kv_views: dict[int, TargetKVView] = field(default_factory=dict)
     # committed token ids per request (prompt + generated, excluding the anchor), for n-gram drafters
     token_history: list[list[int]] | None = None
+    # stable per-request ids (engine row index) for drafters that keep per-request state (dflash family)
+    row_ids: torch.Tensor | None = None
+    # hidden states (same layer ids as target_hidden) of the positions committed since the previous
+    # propose of each row: [B, L, num_ids, hidden], row b valid for its first new_hidden_lengths[b]
+    # entries, which end at position n. Prefill passes the whole prompt. H-Spec ignores it; drafters
+    # with a growing drafter-side KV cache (dflash, dspark) append it.
+    new_hidden: torch.Tensor | None = None
+    new_hidden_lengths: torch.Tensor | None = None
 
 
 @dataclass
