@@ -1,0 +1,158 @@
+"""Hardware-aware prefix planners: how many draft tokens each request verifies this step.
+
+Objective (DSpark): Theta = tau* x SPS(B). With N requests and n admitted draft tokens,
+tau* = N + (sum of the admitted survivals) and B = N + n, i.e. B = sum_r (1 + l_r): every request
+verifies its anchor. Survival a_{r,j} = prod_{i<=j} c_{r,i} is non-increasing in j, so admitting
+candidates in one global descending order always yields per-request prefixes.
+
+Candidate order (the tie-break, shared by every function here): higher survival, then earlier slot j,
+then lower request index r. All planners are keyword-only pure functions; the `*_reference` twins are
+plain Python loops that the tests hold the torch versions to.
+
+- exact (Algorithm 1): admit in order and stop at the first candidate that does not raise Theta. The
+  decision to verify slot j never reads c_{j+1}, which depends on the drafted token x_j through the
+  Markov feature, so the output distribution stays the target's (non-anticipation, Appendix A).
+- stale (production): the budget K is the argmax of Theta over all prefixes of survivals two steps old
+  (no early stop needed: old confidences cannot leak this step's tokens); the lengths are the top-K of
+  this step's survivals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .sps import SpsCurve
+
+# (batch_tokens, num_reqs) -> steps/s
+SpsFn = Callable[[int, int], float]
+
+
+def check_confidences(confidences: torch.Tensor) -> None:
+    if confidences.dim() != 2:
+        raise ValueError(f"confidences must be [B, k], got shape {tuple(confidences.shape)}")
+    if not confidences.is_floating_point():
+        raise ValueError(f"confidences must be floating point probabilities, got {confidences.dtype}")
+    if confidences.numel() and not bool(((confidences >= 0) & (confidences <= 1)).all()):
+        raise ValueError(
+            "confidences must be calibrated probabilities in [0, 1] (apply sigmoid/STS to the raw "
+            "confidence logits first); got values outside [0, 1] or NaN"
+        )
+
+
+def survivals(*, confidences: torch.Tensor) -> torch.Tensor:
+    """a_{r,j} = prod_{i<=j} c_{r,i}, float64 [B, k]."""
+    check_confidences(confidences)
+    return torch.cumprod(confidences.to(torch.float64), dim=1)
+
+
+def candidate_order(*, survival: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted survivals, flat indices m = j * B + r), in the shared tie-break order."""
+    # Slot-major flattening + a stable descending sort = ties go to the earlier slot, then lower r.
+    flat = survival.t().reshape(-1)
+    values, order = torch.sort(flat, descending=True, stable=True)
+    return values, order
+
+
+def theta_curve(*, sorted_survival: torch.Tensor, num_reqs: int, sps: SpsCurve) -> torch.Tensor:
+    """Theta(n) for n = 0..M admitted candidates, float64 [M + 1]."""
+    tau = torch.cat([sorted_survival.new_zeros(1), torch.cumsum(sorted_survival, 0)]) + num_reqs
+    batch_tokens = torch.arange(num_reqs, num_reqs + sorted_survival.numel() + 1)
+    return tau * sps.steps_per_sec(batch_tokens=batch_tokens, num_reqs=num_reqs)
+
+
+def _lengths_from_order(*, order: torch.Tensor, budget: int, num_reqs: int) -> torch.Tensor:
+    return torch.bincount(order[:budget] % num_reqs, minlength=num_reqs)
+
+
+def exact_lengths(*, confidences: torch.Tensor, sps: SpsCurve) -> tuple[torch.Tensor, int]:
+    """DSpark Algorithm 1 with early stop. Returns (lengths [B] long in 0..k, admitted budget)."""
+    surv = survivals(confidences=confidences)
+    num_reqs = surv.shape[0]
+    if surv.numel() == 0:
+        return torch.zeros(num_reqs, dtype=torch.long), 0
+    values, order = candidate_order(survival=surv)
+    theta = theta_curve(sorted_survival=values, num_reqs=num_reqs, sps=sps)
+    # First n whose successor does not raise Theta; a trailing True stops after the last candidate.
+    stop = torch.cat([theta[1:] <= theta[:-1], torch.ones(1, dtype=torch.bool)])
+    budget = int(torch.argmax(stop.to(torch.uint8)))
+    return _lengths_from_order(order=order, budget=budget, num_reqs=num_reqs), budget
+
+
+def argmax_budget(*, survival: torch.Tensor, sps: SpsCurve) -> int:
+    """The n maximising Theta over every prefix of the sorted survivals (first maximum on ties)."""
+    num_reqs = survival.shape[0]
+    if survival.numel() == 0:
+        return 0
+    values, _ = candidate_order(survival=survival)
+    return int(torch.argmax(theta_curve(sorted_survival=values, num_reqs=num_reqs, sps=sps)))
+
+
+def topk_lengths(*, survival: torch.Tensor, budget: int) -> torch.Tensor:
+    """Per-request lengths when the `budget` best candidates (shared order) are verified."""
+    num_reqs = survival.shape[0]
+    if survival.numel() == 0 or budget <= 0:
+        return torch.zeros(num_reqs, dtype=torch.long, device=survival.device)
+    _, order = candidate_order(survival=survival)
+    return _lengths_from_order(order=order, budget=min(budget, order.numel()), num_reqs=num_reqs)
+
+
+def threshold_lengths(*, confidences: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Static policy: verify every slot whose survival is at least `threshold`."""
+    return (survivals(confidences=confidences) >= threshold).sum(dim=1)
+
+
+# ---- plain-Python references -------------------------------------------------------------------
+
+
+def survivals_reference(*, confidences: Sequence[Sequence[float]]) -> list[list[float]]:
+    out = []
+    for row in confidences:
+        acc, surv = 1.0, []
+        for c in row:
+            acc *= float(c)
+            surv.append(acc)
+        out.append(surv)
+    return out
+
+
+def candidate_order_reference(*, survival: Sequence[Sequence[float]]) -> list[tuple[int, int, float]]:
+    cands = [(r, j, a) for r, row in enumerate(survival) for j, a in enumerate(row)]
+    return sorted(cands, key=lambda c: (-c[2], c[1], c[0]))
+
+
+def exact_lengths_reference(
+    *, confidences: Sequence[Sequence[float]], sps: SpsFn
+) -> tuple[list[int], int]:
+    num_reqs = len(confidences)
+    lengths = [0] * num_reqs
+    tau, batch = float(num_reqs), num_reqs
+    theta = tau * sps(batch, num_reqs)
+    admitted = 0
+    for r, _j, a in candidate_order_reference(survival=survivals_reference(confidences=confidences)):
+        new_theta = (tau + a) * sps(batch + 1, num_reqs)
+        if new_theta <= theta:
+            break
+        tau, batch, theta = tau + a, batch + 1, new_theta
+        lengths[r] += 1
+        admitted += 1
+    return lengths, admitted
+
+
+def argmax_budget_reference(*, survival: Sequence[Sequence[float]], sps: SpsFn) -> int:
+    num_reqs = len(survival)
+    tau, best_n, best_theta = float(num_reqs), 0, float(num_reqs) * sps(num_reqs, num_reqs)
+    for n, (_r, _j, a) in enumerate(candidate_order_reference(survival=survival), start=1):
+        tau += a
+        theta = tau * sps(num_reqs + n, num_reqs)
+        if theta > best_theta:
+            best_n, best_theta = n, theta
+    return best_n
+
+
+def topk_lengths_reference(*, survival: Sequence[Sequence[float]], budget: int) -> list[int]:
+    lengths = [0] * len(survival)
+    for r, _j, _a in candidate_order_reference(survival=survival)[: max(budget, 0)]:
+        lengths[r] += 1
+    return lengths

@@ -1,0 +1,104 @@
+import random
+
+import pytest
+import torch
+
+from sglang_hspec.scheduler import planner
+from sglang_hspec.scheduler.sps import SpsCostTable, SpsCurve
+
+
+def table(sps: list[float], *, max_batch_tokens: int | None = None) -> SpsCurve:
+    """Probes at 1, 2, 3, ... tokens with the given steps/s."""
+    probes = list(range(1, len(sps) + 1))
+    return SpsCurve(SpsCostTable(sample_batch_tokens=probes, sample_steps_per_sec=sps,
+                                 max_batch_tokens=max_batch_tokens or probes[-1]))
+
+
+def both(conf: list[list[float]], curve: SpsCurve, k: int | None = None):
+    t = torch.tensor(conf, dtype=torch.float64).reshape(len(conf), k if k is not None else len(conf[0]))
+    lengths, budget = planner.exact_lengths(confidences=t, sps=curve)
+    ref_lengths, ref_budget = planner.exact_lengths_reference(confidences=conf, sps=lambda b, n: curve.scalar(
+        batch_tokens=b, num_reqs=n))
+    assert lengths.tolist() == ref_lengths and budget == ref_budget
+    surv = planner.survivals(confidences=t)
+    kstar = planner.argmax_budget(survival=surv, sps=curve)
+    assert kstar == planner.argmax_budget_reference(
+        survival=surv.tolist(), sps=lambda b, n: curve.scalar(batch_tokens=b, num_reqs=n))
+    return lengths.tolist(), budget, kstar
+
+
+def test_one_request_hand_computed():
+    # survivals 0.9, 0.45, 0.225; Theta(n) = 100, 1.9*90=171, 2.35*80=188, 2.575*70=180.25
+    lengths, budget, kstar = both([[0.9, 0.5, 0.5]], table([100, 90, 80, 70]))
+    assert (lengths, budget, kstar) == ([2], 2, 2)
+
+
+def test_jagged_curve_early_stop_and_argmax_differ():
+    # survivals 0.5, 0.45, 0.405; Theta = 100, 1.5*60=90 (drop: exact stops), 117, 141.3 (argmax: 3)
+    lengths, budget, kstar = both([[0.5, 0.9, 0.9]], table([100, 60, 60, 60]))
+    assert (lengths, budget) == ([0], 0)
+    assert kstar == 3
+    surv = planner.survivals(confidences=torch.tensor([[0.5, 0.9, 0.9]]))
+    assert planner.topk_lengths(survival=surv, budget=kstar).tolist() == [3]
+
+
+def test_ties_break_to_earlier_slot_then_lower_request():
+    # all survivals 0.5: order (r0,j0), (r1,j0), (r0,j1), (r1,j1)
+    conf = [[0.5, 1.0], [0.5, 1.0]]
+    surv = planner.survivals(confidences=torch.tensor(conf))
+    assert [planner.topk_lengths(survival=surv, budget=n).tolist() for n in range(5)] == [
+        [0, 0], [1, 0], [1, 1], [2, 1], [2, 2]]
+    # N=2: Theta = 2*100=200, 2.5*90=225, 3*60=180 -> exactly one admitted, to request 0
+    lengths, budget, _ = both(conf, table([100, 100, 90, 60, 60]))
+    assert (lengths, budget) == ([1, 0], 1)
+
+
+def test_all_zero_confidences_verify_only_anchors():
+    lengths, budget, kstar = both([[0.0] * 3] * 2, table([100.0] * 8))
+    assert (lengths, budget, kstar) == ([0, 0], 0, 0)
+
+
+def test_all_one_confidences_verify_max_k():
+    # N=2: Theta(n) = (2+n) * (100 - 5n) rises up to n=6 = 2k: every slot verified, never above k
+    lengths, budget, kstar = both([[1.0] * 3] * 2, table([100, 100, 95, 90, 85, 80, 75, 70]))
+    assert (lengths, budget, kstar) == ([3, 3], 6, 6)
+
+
+def test_capacity_stops_admission():
+    # beyond max_batch_tokens SPS is 0: at most 3 tokens for 2 requests = one draft token
+    lengths, budget, kstar = both([[1.0] * 3] * 2, table([100, 100, 100]))
+    assert (lengths, budget, kstar) == ([1, 0], 1, 1)
+
+
+def test_empty_batch():
+    lengths, budget = planner.exact_lengths(confidences=torch.zeros(0, 7), sps=table([100, 90]))
+    assert lengths.shape == (0,) and budget == 0
+    assert planner.argmax_budget(survival=torch.zeros(0, 7, dtype=torch.float64), sps=table([1.0, 2.0])) == 0
+    assert planner.topk_lengths(survival=torch.zeros(0, 7), budget=5).shape == (0,)
+
+
+def test_bad_confidences_are_rejected():
+    with pytest.raises(ValueError, match="calibrated probabilities"):
+        planner.exact_lengths(confidences=torch.tensor([[0.5, 1.5]]), sps=table([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"\[B, k\]"):
+        planner.exact_lengths(confidences=torch.tensor([0.5]), sps=table([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_torch_matches_reference_on_random_jagged_cases(seed):
+    rng = random.Random(seed)
+    n, k = rng.randint(1, 9), rng.randint(1, 7)
+    # dyadic values: exact float sums, so ties are real ties in both implementations
+    conf = [[rng.choice([0.0, 0.25, 0.5, 0.75, 0.875, 1.0]) for _ in range(k)] for _ in range(n)]
+    probes = sorted(rng.sample(range(1, n * (k + 1) + 4), rng.randint(2, 6)))
+    if probes[0] != 1:
+        probes[0] = 1
+    curve = SpsCurve(SpsCostTable(sample_batch_tokens=probes,
+                                  sample_steps_per_sec=[float(rng.choice([40, 55, 60, 80, 100])) for _ in probes],
+                                  max_batch_tokens=probes[-1] + rng.randint(0, 30)))
+    lengths, budget, kstar = both(conf, curve)
+    surv = planner.survivals(confidences=torch.tensor(conf))
+    for b in (budget, kstar, rng.randint(0, n * k)):
+        assert planner.topk_lengths(survival=surv, budget=b).tolist() == planner.topk_lengths_reference(
+            survival=surv.tolist(), budget=b)
+    assert all(0 <= x <= k for x in lengths) and sum(lengths) == budget
