@@ -2,7 +2,6 @@ import random
 
 import pytest
 import torch
-
 from sglang_hspec.scheduler import planner
 from sglang_hspec.scheduler.sps import SpsCostTable, SpsCurve
 

@@ -2,7 +2,6 @@ import logging
 
 import pytest
 import torch
-
 from sglang_hspec.scheduler.policy import ExactPolicy, FixedPolicy, StalePolicy, ThresholdPolicy
 from sglang_hspec.scheduler.sps import SpsCostTable
 

@@ -3,7 +3,6 @@ import json
 import msgspec
 import pytest
 import torch
-
 from sglang_hspec.scheduler.sps import (
     SpsAdditiveCostTable,
     SpsCostTable,
