@@ -1,0 +1,162 @@
+"""SPS profiler: steps/s of a verify forward over a range of batch-token sizes.
+
+The engine provides `step_fn(batch_tokens)`, which runs one target verify forward of that many tokens
+(B requests x (1 + l) tokens) and returns when it has finished (call the device's synchronise inside
+it on GPU). Per probe: `warmup` untimed steps, then `repeats` timed runs of `steps_per_repeat` steps;
+SPS = 1 / median(per-step time over the repeats). The result is SGLang's `SpsCostTable` JSON.
+
+CLI (`hspec profile-sps`, meanwhile `python -m sglang_hspec.scheduler.profiler`): the step function is
+named as MODULE:FACTORY, a callable `factory(max_batch_tokens=..., tokens_per_request=...)` returning
+`step_fn` (e.g. `scripts/sps_target_step.py:make_step_fn` for the reference engine's target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .sps import SpsCostTable, save_sps_table
+
+
+def profile_sps(
+    *,
+    step_fn: Callable[[int], None],
+    batch_tokens: list[int],
+    warmup: int = 3,
+    repeats: int = 5,
+    steps_per_repeat: int = 4,
+    max_batch_tokens: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: bool = True,
+) -> SpsCostTable:
+    if not batch_tokens:
+        raise ValueError("batch_tokens is empty: give at least two probe sizes (e.g. 8,16,32,...)")
+    probes = sorted(int(b) for b in batch_tokens)
+    if probes[0] < 1:
+        raise ValueError(f"batch_tokens must be >= 1, got {probes[0]}")
+    if len(set(probes)) != len(probes):
+        raise ValueError(f"batch_tokens has duplicates ({batch_tokens}); each size is one probe")
+    if warmup < 0 or repeats < 1 or steps_per_repeat < 1:
+        raise ValueError(f"need warmup >= 0, repeats >= 1, steps_per_repeat >= 1; got "
+                         f"{warmup}, {repeats}, {steps_per_repeat}")
+    sps = []
+    for bt in tqdm(probes, desc="profile-sps", unit="probe", disable=not progress):
+        for _ in range(warmup):
+            step_fn(bt)
+        per_step = []
+        for _ in range(repeats):
+            start = clock()
+            for _ in range(steps_per_repeat):
+                step_fn(bt)
+            per_step.append((clock() - start) / steps_per_repeat)
+        median = statistics.median(per_step)
+        if median <= 0:
+            raise ValueError(f"step_fn({bt}) took no measurable time; is it running the forward?")
+        sps.append(1.0 / median)
+    return SpsCostTable(sample_batch_tokens=probes, sample_steps_per_sec=sps,
+                        max_batch_tokens=max(max_batch_tokens or probes[-1], probes[-1]))
+
+
+def plot_sps(table: SpsCostTable, path: str | Path, *, title: str = "Verify steps/s vs batch tokens") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(table.sample_batch_tokens) + [table.max_batch_tokens]
+    ys = list(table.sample_steps_per_sec) + [table.sample_steps_per_sec[-1]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.step(xs, ys, where="post", label="floor table (planner lookup)")
+    ax.plot(table.sample_batch_tokens, table.sample_steps_per_sec, "o", label="probes")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch tokens B = sum_r (1 + l_r)")
+    ax.set_ylabel("steps / s")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def load_factory(spec: str) -> Callable:
+    """MODULE:NAME or path/to/file.py:NAME."""
+    mod_name, sep, attr = spec.rpartition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"--step-fn must look like MODULE:FACTORY or path/to/file.py:FACTORY, got {spec!r}")
+    if mod_name.endswith(".py"):
+        if not Path(mod_name).is_file():
+            raise ValueError(f"--step-fn file {mod_name} does not exist")
+        spec_obj = importlib.util.spec_from_file_location(Path(mod_name).stem, mod_name)
+        module = importlib.util.module_from_spec(spec_obj)
+        spec_obj.loader.exec_module(module)
+    else:
+        module = importlib.import_module(mod_name)
+    if not hasattr(module, attr):
+        raise ValueError(f"--step-fn: {mod_name} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def add_parser(subparsers, *, step_fn_factory: Callable | None = None) -> argparse.ArgumentParser:
+    """Register `profile-sps`. An engine may pass its own `step_fn_factory` as the default."""
+    p = subparsers.add_parser("profile-sps", help="measure verify steps/s vs batch tokens -> SPS table JSON")
+    p.add_argument("--step-fn", default=None,
+                   help="MODULE:FACTORY or file.py:FACTORY returning step_fn(batch_tokens)"
+                        + ("" if step_fn_factory is None else " (default: the reference engine's target)"))
+    p.add_argument("--batch-tokens", type=_int_list, default=[8, 16, 32, 64, 128, 256, 512],
+                   help="comma-separated probe sizes (default 8,16,...,512)")
+    p.add_argument("--tokens-per-request", type=int, default=8, help="1 + k verify tokens per request")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="engine verify capacity")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps-per-repeat", type=int, default=4)
+    p.add_argument("--out", required=True, help="SPS table JSON path (a PNG is written next to it)")
+    p.set_defaults(func=run_profile_sps, step_fn_factory=step_fn_factory)
+    return p
+
+
+def run_profile_sps(args: argparse.Namespace) -> int:
+    if args.step_fn:
+        factory = load_factory(args.step_fn)
+    elif getattr(args, "step_fn_factory", None) is not None:
+        factory = args.step_fn_factory
+    else:
+        raise SystemExit("profile-sps: give --step-fn MODULE:FACTORY (e.g. scripts/sps_target_step.py:make_step_fn)")
+    max_bt = args.max_batch_tokens or max(args.batch_tokens)
+    step_fn = factory(max_batch_tokens=max_bt, tokens_per_request=args.tokens_per_request)
+    table = profile_sps(step_fn=step_fn, batch_tokens=args.batch_tokens, warmup=args.warmup,
+                        repeats=args.repeats, steps_per_repeat=args.steps_per_repeat, max_batch_tokens=max_bt)
+    out = Path(args.out)
+    save_sps_table(table, out)
+    plot_sps(table, out.with_suffix(".png"))
+    for bt, s in zip(table.sample_batch_tokens, table.sample_steps_per_sec):
+        print(f"{bt:>7d} tokens  {s:10.2f} steps/s")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_hspec.scheduler.profiler")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["profile-sps", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+import json
+
+import pytest
+from sglang_hspec.scheduler.profiler import main, profile_sps
+from sglang_hspec.scheduler.sps import load_sps_table
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_profile_sps_medians_repeats_and_skips_warmup():
+    clock = FakeClock()
+    calls = []
+    # step time 1 ms + 10 us/token, every 7th call is a 10x outlier (the median drops it)
+    def step_fn(bt):
+        calls.append(bt)
+        clock.now += (0.001 + 1e-5 * bt) * (10 if len(calls) % 7 == 0 else 1)
+
+    table = profile_sps(step_fn=step_fn, batch_tokens=[100, 10], warmup=2, repeats=5, steps_per_repeat=1,
+                        clock=clock, progress=False, max_batch_tokens=256)
+    assert table.sample_batch_tokens == [10, 100] and table.max_batch_tokens == 256
+    assert table.sample_steps_per_sec == pytest.approx([1 / 0.0011, 1 / 0.002])
+    assert calls == [10] * 7 + [100] * 7
+
+
+def test_profile_sps_rejects_bad_probes():
+    with pytest.raises(ValueError, match="duplicates"):
+        profile_sps(step_fn=lambda b: None, batch_tokens=[8, 8], progress=False)
+    with pytest.raises(ValueError, match="empty"):
+        profile_sps(step_fn=lambda b: None, batch_tokens=[], progress=False)
+    with pytest.raises(ValueError, match="no measurable time"):
+        profile_sps(step_fn=lambda b: None, batch_tokens=[8], clock=lambda: 0.0, progress=False)
+
+
+def test_cli_on_tiny_target_writes_table_and_png(tmp_path):
+    out = tmp_path / "sps.json"
+    rc = main(["--step-fn", "scripts/sps_target_step.py:make_step_fn", "--batch-tokens", "8,32",
+               "--warmup", "1", "--repeats", "2", "--steps-per-repeat", "1", "--out", str(out)])
+    assert rc == 0
+    table = load_sps_table(out)
+    assert set(json.loads(out.read_text())) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
+    assert table.sample_batch_tokens == [8, 32] and all(s > 0 for s in table.sample_steps_per_sec)
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
