@@ -1,0 +1,144 @@
+"""Drafter factory and checkpoint I/O: HF-style `config.json` + `model.safetensors`.
+
+The target's embedding and LM head are never saved; `d2t` (draft -> target ids) is. Loading validates
+the checkpoint against the target it will run on and names every mismatched field with both values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from sglang_hspec.model.config import SLOT_CONVENTION, HSpecConfig
+from sglang_hspec.model.dflash import DFlashDraftModel
+from sglang_hspec.model.hspec import DraftModel
+from sglang_hspec.target.geometry import TargetGeometry
+
+ARCHITECTURES = {"hspec": "HSpecDraftModel", "hspec_kv_only": "HSpecDraftModel",
+                 "hspec_last_token_only": "HSpecDraftModel", "dflash": "DFlashDraftModel",
+                 "dspark": "DSparkDraftModel", "dflash_target_kv": "DFlashDraftModel"}
+# geometry fields a drafter depends on (attention heads, RoPE, layer count for ids, vocabulary)
+CHECKED_GEOMETRY = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "vocab_size", "rope_theta", "rope_scaling", "qk_norm")
+
+
+def build_drafter(kind: str, config: HSpecConfig, target_embed: nn.Embedding, target_lm_head: nn.Linear) -> DraftModel:
+    """kind in hspec, hspec_kv_only, hspec_last_token_only, dflash, dspark, dflash_target_kv; `config`
+    describes the target, ids and heads (see HSpecConfig.for_kind for what each kind changes)."""
+    cfg = config.for_kind(kind)
+    model = DFlashDraftModel(cfg, target_embed, target_lm_head) if kind in ("dflash", "dspark") else \
+        DraftModel(cfg, target_embed, target_lm_head)
+    for p in (target_embed.weight, target_lm_head.weight):
+        p.requires_grad_(False)
+    return model
+
+
+def build_draft_vocab(token_counts: torch.Tensor, size: int, always_include: tuple[int, ...] = ()) -> torch.Tensor:
+    """d2t: the `size` most frequent target ids (ties -> lower id), plus `always_include`, sorted by
+    target id so greedy tie-breaking follows the target's order."""
+    counts = torch.as_tensor(token_counts, dtype=torch.float64).clone()
+    if size > counts.numel():
+        raise ValueError(f"draft vocabulary size {size} exceeds the {counts.numel()} counted target ids")
+    if len(set(always_include)) > size:
+        raise ValueError(f"always_include has {len(set(always_include))} ids, more than the size {size}")
+    counts[list(always_include)] = float("inf")
+    # stable sort on -count keeps lower ids first among equal counts
+    order = torch.sort(-counts, stable=True).indices
+    return torch.sort(order[:size]).values
+
+
+def config_json(model: DraftModel) -> dict:
+    cfg = model.config
+    t = cfg.target
+    # top-level fields mirror SGLang's DSpark layout; the `hspec` section is authoritative
+    return {
+        "architectures": [ARCHITECTURES[cfg.kind]],
+        "model_type": "hspec",
+        "hidden_size": t.hidden_size,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": t.head_dim,
+        "vocab_size": t.vocab_size,
+        "block_size": cfg.block_size,
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": cfg.confidence_head,
+        "confidence_head_with_markov": cfg.markov_rank > 0,
+        "sample_from_anchor": False,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                          "block_size": cfg.block_size},
+        "hspec": cfg.to_dict(),
+    }
+
+
+def save_drafter(model: DraftModel, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `config.json` and `model.safetensors` (trainable weights + d2t) into directory `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        state[name] = t.contiguous().cpu()
+    tmp = path / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt", "kind": model.config.kind})
+    tmp.replace(path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config_json(model), indent=2) + "\n")
+    return path
+
+
+def check_against_target(cfg: HSpecConfig, target: TargetGeometry, block_size: int | None = None) -> None:
+    problems = [(f"target.{f}", a, b) for f, a, b in cfg.target.mismatches(target) if f in CHECKED_GEOMETRY]
+    if block_size is not None and block_size != cfg.block_size:
+        problems.append(("block_size", cfg.block_size, block_size))
+    if cfg.mask_token_id >= target.vocab_size:
+        problems.append(("mask_token_id", cfg.mask_token_id, f"< {target.vocab_size}"))
+    for i in (*cfg.target_layer_ids, *cfg.kv_reuse_layer_ids):
+        if i >= target.num_hidden_layers:
+            problems.append(("target_layer_ids", i, f"< {target.num_hidden_layers}"))
+    if problems:
+        lines = "; ".join(f"{f}: checkpoint {a!r} vs target {b!r}" for f, a, b in problems)
+        raise ValueError(f"drafter checkpoint does not match the target: {lines}. "
+                         "Load the drafter trained for this target (or retrain it).")
+
+
+def load_drafter(path: str | Path, target_geometry: TargetGeometry, embed: nn.Embedding, lm_head: nn.Linear,
+                 *, block_size: int | None = None, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> DraftModel:
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path} is not a drafter checkpoint: it needs config.json and model.safetensors")
+    raw = json.loads((path / "config.json").read_text())
+    if "hspec" not in raw:
+        raise ValueError(f"{path}/config.json has no 'hspec' section; was it written by save_drafter?")
+    section = raw["hspec"]
+    convention = section.get("slot_convention")
+    if convention != SLOT_CONVENTION:
+        raise ValueError(f"slot_convention: checkpoint {convention!r} vs runtime {SLOT_CONVENTION!r}; "
+                         "this runtime drives DSpark's anchor-then-masks convention")
+    cfg = HSpecConfig.from_dict(section)
+    check_against_target(cfg, target_geometry, block_size)
+    model = build_drafter(cfg.kind, cfg, embed, lm_head)
+    state = load_file(str(path / "model.safetensors"))
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{path}/model.safetensors does not fit a {cfg.kind} drafter: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(t.shape)} vs model {tuple(expected[name].shape)}")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+    if int(model.d2t.max()) >= target_geometry.vocab_size:
+        raise ValueError(f"d2t: checkpoint maps to id {int(model.d2t.max())} vs target vocab_size "
+                         f"{target_geometry.vocab_size}")
+    model._lm_cache = None
+    if device is not None or dtype is not None:
+        model.to(device=device, dtype=dtype)
+    return model.eval()
