@@ -1,6 +1,11 @@
 """Drafter configuration: one validated dataclass for H-Spec, its ablations and the DFlash baselines.
 
-Stored as the `hspec` section of an HF-style `config.json` (see checkpoint.py)."""
+Stored as the `hspec` section of an HF-style `config.json` (see checkpoint.py). `configs/hspec-*.json`
+hold the paper's settings for real targets (load with `HSpecConfig.from_json`). Mask tokens: Qwen3 151669
+(DSpark's, an unused id inside the 151936-row embedding), Llama-3.1 128002 (<|reserved_special_token_0|>),
+SmolLM2 16 (<empty_output>, a StarCoder-data special token the chat template never emits). The embedded
+SmolLM2 drafter uses 8 Mamba heads (parameter-matched to dspark), a 8192-token draft vocabulary and
+Markov rank 128: 21.9 M trainable parameters, 44 MB in bf16."""
 
 from __future__ import annotations
 
@@ -175,6 +180,15 @@ class HSpecConfig:
         for k in ("target_layer_ids", "kv_reuse_layer_ids", "layer_pattern"):
             d[k] = list(d[k])
         return d
+
+    @classmethod
+    def from_json(cls, path) -> HSpecConfig:
+        """A bare config (configs/*.json) or a checkpoint's config.json (its `hspec` section)."""
+        import json
+        from pathlib import Path
+
+        data = json.loads(Path(path).read_text())
+        return cls.from_dict(data.get("hspec", data))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HSpecConfig:
