@@ -1,0 +1,308 @@
+"""Reference speculative-decoding engine: batched, lossless, on a Hugging Face target.
+
+One step for the active requests: the drafter proposes k tokens per request (with q and raw
+confidence logits), a verify-length policy picks l_r <= k, the target runs anchor + l_r tokens in one
+forward, `accept_block` keeps a prefix and draws the next token, and the KV cache is rolled back to
+the accepted length in O(1). Plain decoding is the same loop with the `none` drafter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from sglang_hspec.engine.sampling import sample_from, sampling_probs
+from sglang_hspec.engine.types import DraftContext, Drafter, SamplingParams
+from sglang_hspec.engine.verify import accept_block
+from sglang_hspec.target.adapter import TargetAdapter
+
+
+@dataclass
+class RequestStats:
+    block_size: int
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify step, bonus included
+    verify_lengths: list[int] = field(default_factory=list)  # draft tokens verified per step (l_r)
+    slot_attempts: list[int] = field(default_factory=list)  # per draft slot: verified with all earlier kept
+    slot_accepts: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.slot_attempts = self.slot_attempts or [0] * self.block_size
+        self.slot_accepts = self.slot_accepts or [0] * self.block_size
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify step, the bonus token included (1.0 = no speculation gain)."""
+        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+    @property
+    def conditional_acceptance(self) -> list[float | None]:
+        """alpha_j = P(slot j kept | slots < j kept and slot j verified)."""
+        return [a / n if n else None for a, n in zip(self.slot_accepts, self.slot_attempts)]
+
+    def to_dict(self) -> dict:
+        return {
+            "tau": self.tau,
+            "num_steps": self.num_steps,
+            "accept_lengths": self.accept_lengths,
+            "verify_lengths": self.verify_lengths,
+            "conditional_acceptance": self.conditional_acceptance,
+            "slot_attempts": self.slot_attempts,
+            "slot_accepts": self.slot_accepts,
+            "prefill_seconds": self.prefill_seconds,
+            "wall_seconds": self.wall_seconds,
+        }
+
+
+@dataclass
+class GenerationResult:
+    index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "length" | "eos" | "stop"
+    stats: RequestStats
+    text: str | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.output_ids) / self.stats.wall_seconds if self.stats.wall_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "text": self.text,
+            "output_ids": self.output_ids,
+            "num_prompt_tokens": len(self.prompt_ids),
+            "num_output_tokens": len(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "tokens_per_second": self.tokens_per_second,
+            **self.stats.to_dict(),
+        }
+
+
+def full_block_policy(*, block_size: int) -> Callable:
+    """Verify every proposed token (the fixed-k policy)."""
+
+    def plan(*, confidences: torch.Tensor | None, proposal_lengths: torch.Tensor, row_ids, generations):
+        return proposal_lengths.clamp_max(block_size)
+
+    return plan
+
+
+class SpeculativeEngine:
+    """Batched speculative decoding over a `TargetAdapter` with any `Drafter`."""
+
+    def __init__(
+        self,
+        adapter: TargetAdapter,
+        drafter: Drafter,
+        *,
+        policy: Callable | None = None,
+        confidence_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        confidence_recorder=None,
+        eos_token_ids: Sequence[int] | None = None,
+    ):
+        self.adapter = adapter
+        self.drafter = drafter
+        adapter.check_layer_ids(list(drafter.target_layer_ids) + list(drafter.kv_layer_ids))
+        self.policy = policy or full_block_policy(block_size=drafter.block_size)
+        # raw confidence logits [B, k] -> per-slot probabilities (STS-calibrated when given)
+        self.confidence_transform = confidence_transform or torch.sigmoid
+        self.confidence_recorder = confidence_recorder
+        if eos_token_ids is None:
+            eos = getattr(adapter.model.generation_config, "eos_token_id", None)
+            if eos is None:
+                eos = getattr(adapter.config, "eos_token_id", None)
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = set(int(e) for e in eos_token_ids)
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams = SamplingParams(),
+        *,
+        progress: bool = False,
+    ) -> list[GenerationResult]:
+        prompts = [list(map(int, p)) for p in prompts]
+        self._validate(prompts, sampling)
+        k = self.drafter.block_size
+        results = [GenerationResult(i, p, [], "length", RequestStats(block_size=k)) for i, p in enumerate(prompts)]
+        if not prompts or sampling.max_new_tokens == 0:
+            return self._finish_text(results)
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.adapter.device).manual_seed(sampling.seed)
+        self.drafter.reset()
+        adapter, device = self.adapter, self.adapter.device
+        n = len(prompts)
+        longest = max(len(p) for p in prompts)
+        adapter.reset(n, capacity=longest + sampling.max_new_tokens + k + 2)
+        hidden_ids = list(self.drafter.target_layer_ids)
+        t_start = time.perf_counter()
+
+        # prefill: every prompt in one padded forward; the first token comes from the last prompt logits
+        tokens = torch.zeros((n, longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        out = adapter.extend(tokens, num_tokens=lengths, hidden_layer_ids=hidden_ids)
+        rows = torch.arange(n, device=device)
+        last_logits = out.logits[rows, lengths - 1]
+        anchors = sample_from(sampling_probs(last_logits, sampling), generator)
+        last_hidden = out.hidden[rows, lengths - 1] if out.hidden is not None else None
+        new_hidden, new_hidden_lengths = out.hidden, lengths.clone()
+        prefill_seconds = time.perf_counter() - t_start
+
+        histories = [list(p) for p in prompts]
+        active = torch.ones(n, dtype=torch.bool)
+        generations = torch.zeros(n, dtype=torch.long)
+        for i in range(n):
+            results[i].stats.prefill_seconds = prefill_seconds
+            self._emit(results[i], [int(anchors[i])], sampling, histories, active)
+
+        bar = tqdm(total=sampling.max_new_tokens * n, disable=not progress, desc="generate", unit="tok")
+        bar.update(sum(len(r.output_ids) for r in results))
+        while bool(active.any()):
+            idx = active.nonzero().squeeze(-1)
+            ridx = idx.to(device)
+            ctx = DraftContext(
+                anchor_tokens=anchors[ridx],
+                last_position=adapter.lengths[ridx] - 1,
+                target_hidden=None if last_hidden is None else last_hidden[ridx],
+                kv_views={lid: adapter.kv_view(lid, window=self.drafter.window, rows=ridx)
+                          for lid in self.drafter.kv_layer_ids},
+                token_history=[histories[i] for i in idx.tolist()],
+                row_ids=ridx,
+                new_hidden=None if new_hidden is None else new_hidden[ridx],
+                new_hidden_lengths=new_hidden_lengths[ridx],
+            )
+            proposal = self.drafter.propose(ctx, sampling, generator)
+            b = idx.shape[0]
+            prop_len = proposal.lengths if proposal.lengths is not None else torch.full((b,), k, dtype=torch.long)
+            prop_len = prop_len.to(device)
+            confidences = None
+            if proposal.confidence_logits is not None:
+                confidences = self.confidence_transform(proposal.confidence_logits.float())
+            verify_len = self.policy(confidences=confidences, proposal_lengths=prop_len, row_ids=ridx,
+                                     generations=generations[idx])
+            # never verify more than can still be emitted (the bonus token counts too)
+            remaining = torch.tensor([sampling.max_new_tokens - len(results[i].output_ids) for i in idx.tolist()],
+                                     device=device)
+            verify_len = torch.minimum(verify_len.to(device), (remaining - 1).clamp_min(0))
+            verify_len = torch.minimum(verify_len, prop_len)
+            lmax = int(verify_len.max().item()) if b else 0
+
+            draft = proposal.tokens[:, :lmax].to(device)
+            block = torch.cat([anchors[ridx][:, None], draft], dim=1)
+            out = adapter.extend(block, num_tokens=1 + verify_len, rows=ridx, hidden_layer_ids=hidden_ids)
+            target_probs = sampling_probs(out.logits, sampling)
+            q = None if proposal.q is None else proposal.q[:, :lmax].to(device).float()
+            num_acc, next_tok = accept_block(draft_tokens=draft, verify_lengths=verify_len, target_probs=target_probs,
+                                             draft_probs=q, greedy=sampling.greedy, generator=generator)
+            # rollback: keep the anchor and the accepted drafts; the drawn token is the next anchor
+            start = adapter.lengths[ridx] - 1 - verify_len
+            adapter.truncate(start + 1 + num_acc, rows=ridx)
+            anchors[ridx] = next_tok
+            if out.hidden is not None:
+                if last_hidden is None:
+                    last_hidden = torch.zeros((n, *out.hidden.shape[2:]), dtype=out.hidden.dtype, device=device)
+                last_hidden[ridx] = out.hidden[torch.arange(b, device=device), num_acc]
+                new_hidden = torch.zeros((n, *out.hidden.shape[1:]), dtype=out.hidden.dtype, device=device)
+                new_hidden[ridx] = out.hidden
+            new_hidden_lengths = torch.zeros(n, dtype=torch.long, device=device)
+            new_hidden_lengths[ridx] = 1 + num_acc
+
+            self._record_confidence(proposal.confidence_logits, verify_len, num_acc, k)
+            before = sum(len(r.output_ids) for r in results)
+            for j, i in enumerate(idx.tolist()):
+                a, vl = int(num_acc[j]), int(verify_len[j])
+                st = results[i].stats
+                st.accept_lengths.append(a + 1)
+                st.verify_lengths.append(vl)
+                for s in range(min(vl, a + 1)):
+                    st.slot_attempts[s] += 1
+                    st.slot_accepts[s] += int(s < a)
+                new = draft[j, :a].tolist() + [int(next_tok[j])]
+                # the anchor of this step is already emitted; history gains the verified anchor + drafts
+                histories[i].append(int(block[j, 0]))
+                histories[i].extend(new[:-1])
+                self._emit(results[i], new, sampling, histories, active)
+            bar.update(sum(len(r.output_ids) for r in results) - before)
+        bar.close()
+        wall = time.perf_counter() - t_start
+        for r in results:
+            r.stats.wall_seconds = wall
+        return self._finish_text(results)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _validate(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
+        limit = self.adapter.max_context
+        vocab = self.adapter.geometry.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty: give at least one token (e.g. the chat template's prefix)")
+            if len(p) + 1 > limit:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; the target's context is {limit}: shorten the prompt"
+                )
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} holds token ids outside the target vocabulary [0, {vocab})")
+        needed = max((len(p) for p in prompts), default=0) + sampling.max_new_tokens
+        if prompts and needed > limit:
+            raise ValueError(
+                f"prompt + max_new_tokens = {needed} exceeds the target's context of {limit}: lower max_new_tokens"
+            )
+
+    def _emit(self, result: GenerationResult, new_tokens: list[int], sampling: SamplingParams, histories,
+              active: torch.Tensor) -> None:
+        """Append tokens, honouring EOS, stop strings and max_new_tokens inside a block."""
+        for t in new_tokens:
+            if not sampling.ignore_eos and t in self.eos_token_ids:
+                result.finish_reason = "eos"
+                active[result.index] = False
+                return
+            result.output_ids.append(t)
+            if sampling.stop and self._hits_stop(result, sampling.stop):
+                result.finish_reason = "stop"
+                active[result.index] = False
+                return
+            if len(result.output_ids) >= sampling.max_new_tokens:
+                result.finish_reason = "length"
+                active[result.index] = False
+                return
+
+    def _hits_stop(self, result: GenerationResult, stops: Sequence[str]) -> bool:
+        tok = self.adapter.tokenizer
+        if tok is None:
+            raise ValueError("stop strings need a tokenizer: build the TargetAdapter with tokenizer=...")
+        # only the tail can newly contain a stop string
+        longest = max(len(s) for s in stops)
+        tail = tok.decode(result.output_ids[-(longest + 8):], skip_special_tokens=False)
+        return any(s in tail for s in stops)
+
+    def _finish_text(self, results: list[GenerationResult]) -> list[GenerationResult]:
+        tok = self.adapter.tokenizer
+        if tok is not None:
+            for r in results:
+                r.text = tok.decode(r.output_ids, skip_special_tokens=True)
+        return results
+
+    def _record_confidence(self, logits, verify_len, num_acc, k) -> None:
+        # only full-block verifies say which slots would have been accepted
+        if self.confidence_recorder is None or logits is None:
+            return
+        full = verify_len == k
+        if bool(full.any()):
+            self.confidence_recorder.add(logits[full.to(logits.device)].float().cpu(), num_acc[full].cpu())
