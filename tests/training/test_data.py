@@ -1,0 +1,135 @@
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from sglang_hspec.training.data import (
+    build_dataset,
+    code_records,
+    in_heldout,
+    load_examples,
+    patterned_examples,
+    read_jsonl,
+    regenerate,
+    tokenize_conversation,
+)
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["hello there, how are you?", "fine thanks and you", "write some python code: def f(x): return x"] * 20
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHATML)
+
+
+CONV = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "fine thanks"}, {"role": "user", "content": "and you?"},
+        {"role": "assistant", "content": "def f(x): return x"}]
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(chat_tokenizer):
+    ids, mask = tokenize_conversation(chat_tokenizer, CONV, max_length=4096)
+    assert len(ids) == len(mask)
+    assert chat_tokenizer.decode(ids) == chat_tokenizer.apply_chat_template(CONV, tokenize=False)
+    masked = chat_tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert masked == "fine thanks<|im_end|>\ndef f(x): return x<|im_end|>\n"
+    # the two masked runs are contiguous: one per assistant turn
+    runs = sum(1 for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1]))
+    assert runs == 2
+    short_ids, short_mask = tokenize_conversation(chat_tokenizer, CONV, max_length=10)
+    assert short_ids == ids[:10] and short_mask == mask[:10]
+
+
+def test_build_dedups_and_splits_by_id(tmp_path):
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+            for i in range(200)]
+    recs.append({"id": "dup-content", "conversations": [{"role": "user", "content": "q1 "},
+                                                        {"role": "assistant", "content": " a"}]})
+    recs.append(dict(recs[0]))  # same id
+    recs.append({"id": "no-answer", "conversations": [{"role": "user", "content": "hi"}]})
+    stats = build_dataset(records=recs, out_dir=tmp_path, heldout_fraction=0.1)
+    assert (stats.read, stats.duplicates, stats.unusable) == (203, 2, 1)
+    train = [r["id"] for r in read_jsonl(tmp_path / "train.jsonl")]
+    held = [r["id"] for r in read_jsonl(tmp_path / "heldout.jsonl")]
+    assert stats.train + stats.heldout == 200 == len(train) + len(held)
+    assert not set(train) & set(held)
+    assert held == [f"r{i}" for i in range(200) if in_heldout(f"r{i}", 0.1)]
+    assert 5 <= len(held) <= 40  # ~10% of 200
+    first = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
+    assert set(first) == {"id", "conversations"} and first["conversations"][0]["role"] == "user"
+
+
+def test_code_records_are_chat_pairs_of_bounded_size():
+    recs = list(code_records(limit=5, max_chars=1500))
+    assert len(recs) == 5
+    for r in recs:
+        assert [m["role"] for m in r["conversations"]] == ["user", "assistant"]
+        assert 0 < len(r["conversations"][1]["content"]) <= 1500
+
+
+class FakeGenerator:
+    """Stands in for a causal LM: appends the tokens of a fixed reply; raises on prompts containing BOOM."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.calls = 0
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=8, **kw):
+        self.calls += 1
+        if any("BOOM" in self.tok.decode(row) for row in input_ids):
+            raise RuntimeError("generation failed")
+        reply = torch.tensor(self.tok("fine thanks", add_special_tokens=False)["input_ids"])
+        return torch.cat([input_ids, reply.expand(input_ids.shape[0], -1)], dim=1)
+
+
+def test_regenerate_is_resumable_and_accounts_for_every_record(tmp_path, chat_tokenizer):
+    src = tmp_path / "in.jsonl"
+    recs = [{"id": f"c{i}", "conversations": [{"role": "user", "content": f"hello {i}"},
+                                              {"role": "assistant", "content": "old"},
+                                              {"role": "user", "content": "and you?"},
+                                              {"role": "assistant", "content": "old"}]} for i in range(5)]
+    recs[3]["conversations"][0]["content"] = "BOOM"
+    recs.append({"id": "sys-only", "conversations": [{"role": "system", "content": "x"}]})
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "out.jsonl"
+    first = regenerate(model=FakeGenerator(chat_tokenizer), tokenizer=chat_tokenizer, in_path=src, out_path=out,
+                       batch_size=2, limit=2)
+    assert (first.input, first.success, first.error, first.skipped) == (2, 2, 0, 0)
+    second = regenerate(model=FakeGenerator(chat_tokenizer), tokenizer=chat_tokenizer, in_path=src, out_path=out,
+                        batch_size=2)
+    # c0, c1 done before; c3 fails (its batch is retried record by record); sys-only has no user turn
+    assert (second.input, second.success, second.error, second.skipped) == (6, 2, 1, 3)
+    rows = {r["id"]: r for r in read_jsonl(out)}
+    assert sorted(rows) == ["c0", "c1", "c2", "c4", "sys-only"]
+    assert [m["content"] for m in rows["c4"]["conversations"]] == ["hello 4", "fine thanks", "and you?", "fine thanks"]
+    assert [r["id"] for r in read_jsonl(out.with_suffix(".errors.jsonl"))] == ["c3"]
+
+
+def test_pretokenized_and_patterned_examples():
+    ex = patterned_examples(num_sequences=3, seq_len=20, vocab_low=3, vocab_high=30, motif_len=4, num_motifs=5,
+                            prompt_len=2, seed=0)
+    assert [len(e["input_ids"]) for e in ex] == [20] * 3 and ex[0]["loss_mask"][:3] == [0, 0, 1]
+    # within a motif the next token is a function of the current one
+    nxt = {}
+    for e in ex:
+        for a, b in zip(e["input_ids"], e["input_ids"][1:]):
+            nxt.setdefault(a, set()).add(b)
+    assert sum(len(v) == 1 for v in nxt.values()) >= 10
+    out = load_examples(ex + [{"id": "empty", "input_ids": [1, 2, 3], "loss_mask": [1, 0, 0]}], tokenizer=None,
+                        max_length=12)
+    assert len(out) == 3 and all(len(e["input_ids"]) == 12 for e in out)
+    with pytest.raises(ValueError, match="need the target's tokenizer"):
+        load_examples([{"id": "c", "conversations": CONV}], tokenizer=None, max_length=10)
