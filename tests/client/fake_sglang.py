@@ -14,6 +14,7 @@ per verify step fixes the speculative counters, so tests can compute every numbe
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ class Behaviour:
     incremental: bool = False  # SGLang's --incremental-streaming-output
     cap_length: float | None = None  # report spec_cap_length (ragged verify) when set
     stall_s: float = 3.0
+    delay_s: float = 0.0  # hold every POST this long, so concurrent requests overlap
+    in_flight: int = 0
+    max_in_flight: int = 0
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
@@ -204,7 +208,17 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))
         body = json.loads(self.rfile.read(length) or b"{}")
-        self.server.behaviour.requests.append((self.path, body))
+        b = self.server.behaviour
+        # Count a request in flight only while it is held, before any byte of the answer is sent:
+        # the client cannot have its answer (and send its next request) while it is still counted.
+        with self.server.lock:
+            b.requests.append((self.path, body))
+            b.in_flight += 1
+            b.max_in_flight = max(b.max_in_flight, b.in_flight)
+        if b.delay_s:
+            self.server.release.wait(b.delay_s)
+        with self.server.lock:
+            b.in_flight -= 1
         if self._misbehave_before_answer():
             return
         if self.path == "/generate":
@@ -348,7 +362,7 @@ class FakeSGLangServer(ThreadingHTTPServer):
         self.behaviour = behaviour or Behaviour()
         self.release = threading.Event()  # ends stalls early at shutdown
         self._ids = 0
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.server_bind()
         if listen:
@@ -359,9 +373,15 @@ class FakeSGLangServer(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
     def next_id(self) -> int:
-        with self._lock:
+        with self.lock:
             self._ids += 1
             return self._ids
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that timed out and hung up is what the timeout tests want, not a server fault.
+        if isinstance(sys.exc_info()[1], BrokenPipeError | ConnectionResetError):
+            return
+        super().handle_error(request, client_address)
 
     def start_listening(self) -> None:
         self.server_activate()
