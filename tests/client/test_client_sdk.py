@@ -199,3 +199,12 @@ def _comparable(r) -> dict:
     if isinstance(r, GenerateResult):
         skip.discard("latency_s")  # server-reported for /generate, so it must agree too
     return {k: getattr(r, k) for k in r.__struct_fields__ if k not in skip}
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    from sglang_hspec.client import types as client_types
+
+    failures, tried = doctest.testmod(client_types)
+    assert tried > 0 and failures == 0
