@@ -125,6 +125,8 @@ def load_drafter(path: str | Path, target_geometry: TargetGeometry, embed: nn.Em
     check_against_target(cfg, target_geometry, block_size)
     model = build_drafter(cfg.kind, cfg, embed, lm_head)
     state = load_file(str(path / "model.safetensors"))
+    stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    model.to(dtype=dtype or stored)  # never round the stored weights through a narrower dtype
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -139,6 +141,6 @@ def load_drafter(path: str | Path, target_geometry: TargetGeometry, embed: nn.Em
         raise ValueError(f"d2t: checkpoint maps to id {int(model.d2t.max())} vs target vocab_size "
                          f"{target_geometry.vocab_size}")
     model._lm_cache = None
-    if device is not None or dtype is not None:
-        model.to(device=device, dtype=dtype)
+    if device is not None:
+        model.to(device=device)
     return model.eval()

@@ -292,7 +292,8 @@ class DraftModel(nn.Module):
         self.markov = MarkovHead(cfg.draft_vocab_size, cfg.markov_rank) if cfg.markov_rank else None
         self.confidence = (nn.Linear(cfg.hidden_size + cfg.markov_rank, 1) if cfg.confidence_head else None)
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)
-        self.register_buffer("inv_freq", rope_inv_freq(t.head_dim, t.rope_theta, t.rope_scaling), persistent=False)
+        # a plain float64 attribute, not a buffer: model.to(bfloat16) must not round the RoPE frequencies
+        self.inv_freq = rope_inv_freq(t.head_dim, t.rope_theta, t.rope_scaling)
         self._lm_cache: tuple | None = None
 
     # ---- vocabulary ----
