@@ -35,7 +35,7 @@ def check_confidences(confidences: torch.Tensor) -> None:
     if not confidences.is_floating_point():
         raise ValueError(f"confidences must be floating point probabilities, got {confidences.dtype}")
     # One reduction (NaN fails too): this runs on every step's hot path.
-    if confidences.numel() and not bool((confidences - 0.5).abs().max() <= 0.5):
+    if confidences.numel() and not bool((confidences - 0.5).abs_().max() <= 0.5):
         raise ValueError(
             "confidences must be calibrated probabilities in [0, 1] (apply sigmoid/STS to the raw "
             "confidence logits first); got values outside [0, 1] or NaN"
@@ -58,9 +58,9 @@ def candidate_order(*, survival: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def theta_curve(*, sorted_survival: torch.Tensor, num_reqs: int, sps: SpsCurve) -> torch.Tensor:
     """Theta(n) for n = 0..M admitted candidates, float64 [M + 1]."""
-    tau = torch.cat([sorted_survival.new_zeros(1), torch.cumsum(sorted_survival, 0)]) + num_reqs
-    batch_tokens = torch.arange(num_reqs, num_reqs + sorted_survival.numel() + 1)
-    return tau * sps.steps_per_sec(batch_tokens=batch_tokens, num_reqs=num_reqs)
+    tau = torch.cat([sorted_survival.new_zeros(1), torch.cumsum(sorted_survival, 0)]).add_(num_reqs)
+    sps_values = sps.steps_per_sec_range(start=num_reqs, count=sorted_survival.numel() + 1, num_reqs=num_reqs)
+    return tau.mul_(sps_values.to(tau.device))
 
 
 def _lengths_from_order(*, order: torch.Tensor, budget: int, num_reqs: int) -> torch.Tensor:

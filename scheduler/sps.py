@@ -164,14 +164,21 @@ class SpsCurve:
         theta = torch.from_numpy(np.interp(bt.numpy(), t.m_probes, t.theta_seconds))
         return 1.0 / (t.bias_seconds + alpha + theta)
 
-    def steps_per_sec(self, *, batch_tokens: torch.Tensor, num_reqs: int) -> torch.Tensor:
-        """float64 steps/s at each entry of `batch_tokens` (long) for a batch of `num_reqs` requests."""
-        upto = int(batch_tokens.max()) if batch_tokens.numel() else 0
+    def _dense_upto(self, *, upto: int, num_reqs: int) -> torch.Tensor:
         additive = isinstance(self.table, SpsAdditiveCostTable)
         if upto >= self._dense.numel() or (additive and num_reqs != self._dense_reqs):
             self._dense = self._build(upto=max(upto, 2 * self._dense.numel(), 64), num_reqs=num_reqs)
             self._dense_reqs = num_reqs
-        return self._dense[batch_tokens]
+        return self._dense
+
+    def steps_per_sec(self, *, batch_tokens: torch.Tensor, num_reqs: int) -> torch.Tensor:
+        """float64 steps/s at each entry of `batch_tokens` (long) for a batch of `num_reqs` requests."""
+        upto = int(batch_tokens.max()) if batch_tokens.numel() else 0
+        return self._dense_upto(upto=upto, num_reqs=num_reqs)[batch_tokens]
+
+    def steps_per_sec_range(self, *, start: int, count: int, num_reqs: int) -> torch.Tensor:
+        """steps/s at batch tokens start, start+1, ..., start+count-1 (a view: no gather on the hot path)."""
+        return self._dense_upto(upto=start + count, num_reqs=num_reqs)[start : start + count]
 
     def scalar(self, *, batch_tokens: int, num_reqs: int) -> float:
         """Plain-Python lookup (the reference planners' source of truth)."""

@@ -50,7 +50,7 @@ def test_poisson_open_loop_serves_the_offered_load():
     r = simulate(config=SimConfig(arrival_rate=2.0, steps=3000, seed=3), sps_table=FLAT,
                  policy=make_policy("stale", k=7, sps_table=FLAT))
     assert r.finished > 20
-    assert 150 < r.throughput < 400
+    assert 200 < r.throughput < 320  # measured 256.5 with this seed
 
 
 def test_bad_config_is_rejected():
