@@ -487,9 +487,9 @@ class AsyncHSpecClient(_Base):
                     self._raise_for_status(resp.status_code, resp.text, path)
                 async for line in resp.aiter_lines():
                     for obj in self._sse_payloads([line]):
-                        yield obj
                         if obj is None:
-                            return
+                            return  # [DONE]: end here so the response closes now, not at finalisation
+                        yield obj
 
     async def health(self) -> bool:
         try:

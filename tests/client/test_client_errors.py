@@ -20,15 +20,12 @@ from sglang_hspec.client import (
 MSG = [{"role": "user", "content": "hi"}]
 
 
-def _closed_port() -> int:
+@pytest.fixture
+def closed_port():
     # Bound but never listening: the kernel refuses connections, and no other process can take it.
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    _closed_port.keep.append(sock)
-    return sock.getsockname()[1]
-
-
-_closed_port.keep = []
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 def _all_calls(client: HSpecClient):
@@ -41,8 +38,8 @@ def _all_calls(client: HSpecClient):
     }
 
 
-def test_connection_refused_names_the_url_and_the_fix() -> None:
-    url = f"http://127.0.0.1:{_closed_port()}"
+def test_connection_refused_names_the_url_and_the_fix(closed_port: int) -> None:
+    url = f"http://127.0.0.1:{closed_port}"
     with HSpecClient(url, retries=1) as client:
         for name, call in _all_calls(client).items():
             with pytest.raises(ServerUnavailableError) as info:
@@ -52,8 +49,8 @@ def test_connection_refused_names_the_url_and_the_fix() -> None:
         assert client.health() is False
 
 
-def test_connection_refused_async() -> None:
-    url = f"http://127.0.0.1:{_closed_port()}"
+def test_connection_refused_async(closed_port: int) -> None:
+    url = f"http://127.0.0.1:{closed_port}"
 
     async def run():
         async with AsyncHSpecClient(url, retries=0) as client:
