@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import json
 import random
+import sys
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -61,12 +62,21 @@ def usable(messages: list[dict[str, str]]) -> bool:
 def sharegpt_records(*, limit: int) -> Iterator[dict[str, Any]]:
     from sglang_hspec.assets.prompts import iter_sharegpt
 
-    for i, conv in enumerate(iter_sharegpt(limit=limit)):
-        if isinstance(conv, dict):  # tolerate {id, conversations} records too
-            rid, conv = str(conv.get("id", f"sharegpt-{i}")), conv["conversations"]
-        else:
-            rid = f"sharegpt-{i}"
-        yield {"id": rid, "conversations": normalize_conversation(conv)}
+    for conv in iter_sharegpt(limit=limit):
+        conv = normalize_conversation(conv)
+        # content-derived id: stable however the tolerant parser's skipping evolves (the split is by id)
+        yield {"id": f"sharegpt-{conversation_key(conv)[:16]}", "conversations": conv}
+
+
+def _norm_text(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def evaluation_prompt_texts() -> set[str]:
+    """Normalised turns of every evaluation prompt set, to keep them out of the training data."""
+    from sglang_hspec.assets.prompts import PROMPT_SETS, load_prompts
+
+    return {_norm_text(t) for name in PROMPT_SETS for item in load_prompts(name) for t in item.turns}
 
 
 def code_records(*, limit: int, root: str | None = None, max_chars: int = 3000, seed: int = 0) -> Iterator[dict[str, Any]]:
@@ -106,14 +116,17 @@ class BuildStats:
     read: int = 0
     duplicates: int = 0
     unusable: int = 0
+    contaminated: int = 0
     train: int = 0
     heldout: int = 0
 
 
 def build_dataset(
-    *, records: Iterable[dict[str, Any]], out_dir: str | Path, heldout_fraction: float = 0.02
+    *, records: Iterable[dict[str, Any]], out_dir: str | Path, heldout_fraction: float = 0.02,
+    exclude_texts: set[str] = frozenset(),
 ) -> BuildStats:
-    """Deduplicate (by id and by content) and write train.jsonl / heldout.jsonl."""
+    """Deduplicate (by id and by content), drop conversations with a user turn in `exclude_texts`
+    (normalised evaluation prompts) and write train.jsonl / heldout.jsonl."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stats, seen_ids, seen_keys = BuildStats(), set(), set()
@@ -129,6 +142,9 @@ def build_dataset(
             seen_keys.add(key)
             if not usable(conv):
                 stats.unusable += 1
+                continue
+            if exclude_texts and any(m["role"] == "user" and _norm_text(m["content"]) in exclude_texts for m in conv):
+                stats.contaminated += 1
                 continue
             line = json.dumps({"id": rec["id"], "conversations": conv}, ensure_ascii=False) + "\n"
             if in_heldout(rec["id"], heldout_fraction):
@@ -358,7 +374,8 @@ def run_cli(args) -> int:
             if args.code:
                 yield from code_records(limit=args.code, root=args.code_root)
 
-        stats = build_dataset(records=records(), out_dir=args.out, heldout_fraction=args.heldout)
+        stats = build_dataset(records=records(), out_dir=args.out, heldout_fraction=args.heldout,
+                              exclude_texts=evaluation_prompt_texts())
         print(json.dumps(stats.__dict__))
         return 0
     from sglang_hspec.training.trainer import load_target
@@ -376,7 +393,7 @@ def run_cli(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_hspec.training.data")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    args = parser.parse_args(["data", *(argv if argv is not None else sys.argv[1:])])
     return args.func(args)
 
 

@@ -58,8 +58,10 @@ def test_build_dedups_and_splits_by_id(tmp_path):
                                                         {"role": "assistant", "content": " a"}]})
     recs.append(dict(recs[0]))  # same id
     recs.append({"id": "no-answer", "conversations": [{"role": "user", "content": "hi"}]})
-    stats = build_dataset(records=recs, out_dir=tmp_path, heldout_fraction=0.1)
-    assert (stats.read, stats.duplicates, stats.unusable) == (203, 2, 1)
+    recs.append({"id": "eval", "conversations": [{"role": "user", "content": "What is  2+2?"},
+                                                 {"role": "assistant", "content": "4"}]})
+    stats = build_dataset(records=recs, out_dir=tmp_path, heldout_fraction=0.1, exclude_texts={"what is 2+2?"})
+    assert (stats.read, stats.duplicates, stats.unusable, stats.contaminated) == (204, 2, 1, 1)
     train = [r["id"] for r in read_jsonl(tmp_path / "train.jsonl")]
     held = [r["id"] for r in read_jsonl(tmp_path / "heldout.jsonl")]
     assert stats.train + stats.heldout == 200 == len(train) + len(held)
