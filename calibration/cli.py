@@ -1,0 +1,238 @@
+"""`hspec calibrate {fit,report,synth}`: fit STS temperatures from confidence records, report metrics.
+
+Wiring: `sglang_hspec.calibration.cli.add_parser(subparsers)` registers `calibrate` and sets
+`func=run` (returns the exit code). Standalone: `python -m sglang_hspec.calibration {fit,report,synth} ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .fit import default_temperature_grid, fit_sts_calibration
+from .metrics import ConfidenceMetrics, records_metrics, records_reliability
+from .plots import check_png_path, render_reliability_png, save_reliability_png
+from .records import ConfidenceRecords, load_records, save_records
+from .sts import StsCalibration, load_sts, save_sts, write_bytes_atomic
+from .synthetic import drafter_like_records, overconfident_records
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        metavar="GLOB",
+        help="confidence record shards: globs (quote them), directories (their *.pt) or files",
+    )
+    p.add_argument("--num-bins", type=_positive_int, default=15, help="equal-width ECE bins (default 15)")
+    p.add_argument("--plot", type=Path, help="write a before/after reliability diagram to this .png")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="calibrate_command", required=True, metavar="{fit,report,synth}")
+
+    fit = sub.add_parser("fit", help="fit STS temperatures; writes SGLang's DSparkStsCalibration JSON")
+    _add_common(fit)
+    fit.add_argument(
+        "--gamma", type=_positive_int, required=True, help="draft slots per block (7 for H-Spec)"
+    )
+    fit.add_argument(
+        "--out", type=Path, required=True, help="STS JSON to write (--speculative-dspark-confidence-sts-path)"
+    )
+    fit.add_argument("--grid-min", type=float, default=0.1, help="smallest temperature on the grid (0.1)")
+    fit.add_argument("--grid-max", type=float, default=10.0, help="largest temperature on the grid (10)")
+    fit.add_argument("--grid-points", type=_positive_int, default=41, help="log-spaced grid points (41)")
+    fit.add_argument(
+        "--min-samples",
+        type=_positive_int,
+        default=1,
+        help="records that must reach a slot to fit it; fewer keeps T = 1 with a warning",
+    )
+    fit.add_argument(
+        "--dataset", default=None, help="dataset label stored in the JSON (default: the --data globs)"
+    )
+    fit.add_argument(
+        "--holdout-fraction",
+        type=float,
+        default=0.0,
+        help="hold out this random fraction of records; metrics and plot are then on held-out rows",
+    )
+    fit.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+
+    report = sub.add_parser("report", help="confidence metrics of records, raw and after an STS file")
+    _add_common(report)
+    report.add_argument("--sts", type=Path, required=True, help="STS JSON (ours or SGLang's)")
+    report.add_argument(
+        "--gamma", type=_positive_int, default=None, help="expected gamma (default: the STS file's)"
+    )
+    report.add_argument(
+        "--json", type=Path, default=None, help="also write the metrics (raw and after) as JSON"
+    )
+
+    synth = sub.add_parser("synth", help="write synthetic records (demo / smoke test; no drafter needed)")
+    synth.add_argument("--out-stem", type=Path, required=True, help="shards land at <stem>.<k>.pt")
+    synth.add_argument("--kind", choices=("drafter-like", "overconfident"), default="drafter-like")
+    synth.add_argument("-n", "--num-records", type=_positive_int, default=50_000)
+    synth.add_argument("--gamma", type=_positive_int, default=7)
+    synth.add_argument(
+        "--temperature", type=float, default=2.5, help="true over-confidence (--kind overconfident)"
+    )
+    synth.add_argument("--shards", type=_positive_int, default=4)
+    synth.add_argument("--seed", type=int, default=0)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="STS calibration of the confidence head (fit / report)",
+        description="Sequential temperature scaling of the drafter's confidence head, in SGLang's STS format.",
+    )
+    configure(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _fmt(value: float | None, spec: str = ".2%") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(before: ConfidenceMetrics, after: ConfidenceMetrics, temperatures: list[float]) -> str:
+    lines = [
+        f"{'slot':>4} {'T':>7} {'n':>8} {'ECE raw':>8} {'ECE sts':>8} {'AUROC':>6} "
+        f"{'Brier raw':>9} {'Brier sts':>9} {'pred raw':>8} {'pred sts':>8} {'observed':>8}"
+    ]
+    for j in range(before.gamma):
+        lines.append(
+            f"{j:>4} {temperatures[j]:>7.3f} {before.num_observed[j]:>8} {_fmt(before.ece[j]):>8} "
+            f"{_fmt(after.ece[j]):>8} {_fmt(after.auroc[j], '.3f'):>6} {_fmt(before.brier[j], '.4f'):>9} "
+            f"{_fmt(after.brier[j], '.4f'):>9} {_fmt(before.mean_predicted[j], '.3f'):>8} "
+            f"{_fmt(after.mean_predicted[j], '.3f'):>8} {_fmt(before.mean_observed[j], '.3f'):>8}"
+        )
+    lines.append(
+        f" all {'':>7} {before.num_samples:>8} {before.overall_ece:>8.2%} {after.overall_ece:>8.2%} "
+        f"{_fmt(after.overall_auroc, '.3f'):>6} {before.overall_brier:>9.4f} {after.overall_brier:>9.4f} "
+        f"{before.overall_mean_predicted:>8.3f} {after.overall_mean_predicted:>8.3f} "
+        f"{before.overall_mean_observed:>8.3f}"
+    )
+    lines.append(f"mean per-slot ECE: raw {before.mean_slot_ece:.2%} -> STS {after.mean_slot_ece:.2%}")
+    return "\n".join(lines)
+
+
+def _evaluate(
+    records: ConfidenceRecords, sts: StsCalibration, *, num_bins: int, plot: Path | None, title: str
+) -> tuple[ConfidenceMetrics, ConfidenceMetrics, bytes | None]:
+    before = records_metrics(records, temperatures=None, num_bins=num_bins)
+    after = records_metrics(records, temperatures=sts, num_bins=num_bins)
+    png = None
+    if plot is not None:
+        png = render_reliability_png(
+            before=(records_reliability(records, temperatures=None, num_bins=num_bins), before),
+            after=(records_reliability(records, temperatures=sts, num_bins=num_bins), after),
+            title=title,
+        )
+    return before, after, png
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        check_png_path(args.plot)
+    if args.out.is_dir():
+        raise ValueError(f"--out {str(args.out)!r} is a directory; give a file path such as sts.json")
+    if not 0 <= args.holdout_fraction < 1:
+        raise ValueError(f"--holdout-fraction must be in [0, 1), got {args.holdout_fraction}")
+    grid = default_temperature_grid(low=args.grid_min, high=args.grid_max, num=args.grid_points)
+    records = load_records(data=args.data, gamma=args.gamma, progress=True)
+    fit_rows, eval_rows = records, records
+    if args.holdout_fraction > 0:
+        fit_rows, eval_rows = records.split(holdout_fraction=args.holdout_fraction, seed=args.seed)
+    dataset = args.dataset if args.dataset is not None else ",".join(args.data)
+    sts = fit_sts_calibration(
+        fit_rows, grid=grid, num_bins=args.num_bins, min_samples=args.min_samples, dataset=dataset
+    )
+    where = "held-out" if args.holdout_fraction > 0 else "fit"
+    before, after, png = _evaluate(
+        eval_rows,
+        sts,
+        num_bins=args.num_bins,
+        plot=args.plot,
+        title=f"{dataset}: {eval_rows.num_samples} {where} records, gamma {records.gamma}",
+    )
+    # everything computed: only now touch the file system
+    save_sts(sts, args.out)
+    if png is not None:
+        save_reliability_png(args.plot, png)
+    print(
+        f"fitted STS on {fit_rows.num_samples} records (gamma={records.gamma}, {len(records.sources)} shard(s)) "
+        f"-> {args.out}"
+    )
+    print(f"metrics on {eval_rows.num_samples} {where} records:")
+    print(format_table(before, after, sts.temperatures))
+    if png is not None:
+        print(f"reliability diagram -> {args.plot}")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        check_png_path(args.plot)
+    sts = load_sts(args.sts, gamma=args.gamma)
+    records = load_records(data=args.data, gamma=sts.gamma, progress=True)
+    before, after, png = _evaluate(
+        records,
+        sts,
+        num_bins=args.num_bins,
+        plot=args.plot,
+        title=f"{','.join(args.data)}: {records.num_samples} records, STS {args.sts.name}",
+    )
+    if args.json is not None:
+        import msgspec
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"sts": sts, "raw": before, "calibrated": after}
+        write_bytes_atomic(args.json, msgspec.json.format(msgspec.json.encode(payload)) + b"\n")
+    if png is not None:
+        save_reliability_png(args.plot, png)
+    print(
+        f"{records.num_samples} records (gamma={records.gamma}) from {len(records.sources)} shard(s); STS {args.sts}"
+    )
+    print(format_table(before, after, sts.temperatures))
+    return 0
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    if args.kind == "overconfident":
+        records = overconfident_records(
+            n=args.num_records, gamma=args.gamma, temperature=args.temperature, seed=args.seed
+        )
+    else:
+        records = drafter_like_records(n=args.num_records, gamma=args.gamma, seed=args.seed)
+    meta = {"source": "synthetic", "kind": args.kind, "seed": args.seed}
+    paths = save_records(records, args.out_stem, num_shards=args.shards, meta=meta)
+    print(
+        f"wrote {records.num_samples} {args.kind} records (gamma={records.gamma}) to {len(paths)} shard(s): "
+        f"{paths[0]} ..."
+    )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    handlers = {"fit": run_fit, "report": run_report, "synth": run_synth}
+    try:
+        return handlers[args.calibrate_command](args)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"hspec calibrate {args.calibrate_command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_hspec.calibration", description=__doc__)
+    configure(parser)
+    return run(parser.parse_args(argv))
