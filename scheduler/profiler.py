@@ -113,6 +113,18 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
+def _factory_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--factory-arg must look like KEY=VALUE, got {text!r}")
+    for cast in (int, float):
+        try:
+            return key, cast(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def add_parser(subparsers, *, step_fn_factory: Callable | None = None) -> argparse.ArgumentParser:
     """Register `profile-sps`. An engine may pass its own `step_fn_factory` as the default."""
     p = subparsers.add_parser("profile-sps", help="measure verify steps/s vs batch tokens -> SPS table JSON")
@@ -122,6 +134,8 @@ def add_parser(subparsers, *, step_fn_factory: Callable | None = None) -> argpar
     p.add_argument("--batch-tokens", type=_int_list, default=[8, 16, 32, 64, 128, 256, 512],
                    help="comma-separated probe sizes (default 8,16,...,512)")
     p.add_argument("--tokens-per-request", type=int, default=8, help="1 + k verify tokens per request")
+    p.add_argument("--factory-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra keyword for the step-fn factory (repeatable), e.g. target=/models/Qwen3-8B")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="engine verify capacity")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
@@ -139,7 +153,8 @@ def run_profile_sps(args: argparse.Namespace) -> int:
     else:
         raise SystemExit("profile-sps: give --step-fn MODULE:FACTORY (e.g. scripts/sps_target_step.py:make_step_fn)")
     max_bt = args.max_batch_tokens or max(args.batch_tokens)
-    step_fn = factory(max_batch_tokens=max_bt, tokens_per_request=args.tokens_per_request)
+    extra = dict(_factory_arg(a) for a in args.factory_arg)
+    step_fn = factory(max_batch_tokens=max_bt, tokens_per_request=args.tokens_per_request, **extra)
     table = profile_sps(step_fn=step_fn, batch_tokens=args.batch_tokens, warmup=args.warmup,
                         repeats=args.repeats, steps_per_repeat=args.steps_per_repeat, max_batch_tokens=max_bt)
     out = Path(args.out)
