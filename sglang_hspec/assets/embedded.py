@@ -183,13 +183,14 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build(target_dir: Path, gguf: Path) -> None:
+def _build(target_dir: Path, gguf: Path, *, reason: str | None = None) -> None:
+    """Convert into `target_dir` unless it is usable; `reason` forces a rebuild (a load failed)."""
     parent = target_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
     # The lock serialises converters sharing a cache dir; the temp dir + rename keeps readers from
     # ever seeing a half-written directory even if this process dies mid-way.
     with _file_lock(parent / f".{target_dir.name}.lock"):
-        problem = cache_problem(target_dir, gguf)
+        problem = reason or cache_problem(target_dir, gguf)
         if problem is None:  # another process finished the conversion while we waited
             return
         log.warning(
@@ -251,6 +252,11 @@ def load_embedded_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = embedded_target_dir(cache_dir=cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # damage the structural checks cannot see (e.g. bytes flipped in place)
+        _build(path, embedded_gguf_path(), reason=f"loading failed: {type(e).__name__}: {e}")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.to(device).eval(), tokenizer

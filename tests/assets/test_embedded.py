@@ -219,3 +219,31 @@ def test_truncated_real_cache_is_reconverted(embedded_dir, tmp_path, caplog):
     assert "unusable" in caplog.text
     assert cache_problem(copy, gguf) is None
     assert (copy / "model.safetensors").stat().st_size == (embedded_dir / "model.safetensors").stat().st_size
+
+
+def test_load_rebuilds_a_cache_damaged_in_place(monkeypatch, tmp_path, caplog):
+    # Same-size garbage in tokenizer.json passes the cheap checks; the failed load must rebuild it.
+    from sglang_hspec.assets.tiny import save_tiny_target, tiny_tokenizer
+
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(embedded, "embedded_gguf_path", lambda: gguf)
+    tok = tiny_tokenizer(cache_dir=tmp_path / "tok")
+    calls = []
+
+    def convert(src, out_dir):
+        calls.append(src)
+        save_tiny_target(out_dir, arch="llama", tokenizer=tok)
+
+    monkeypatch.setattr(embedded, "_convert", convert)
+    model, _ = embedded.load_embedded_target(cache_dir=tmp_path / "cache")
+    path = tmp_path / "cache" / CACHE_SUBDIR
+    size = (path / "tokenizer.json").stat().st_size
+    (path / "tokenizer.json").write_bytes(b"x" * size)
+    assert cache_problem(path, gguf) is None
+    with caplog.at_level(logging.WARNING, logger=embedded.__name__):
+        model, loaded_tok = embedded.load_embedded_target(cache_dir=tmp_path / "cache")
+    assert "loading failed" in caplog.text
+    assert len(calls) == 2
+    assert model.dtype == torch.bfloat16 and not model.training
+    assert loaded_tok("def f(): pass").input_ids == tok("def f(): pass").input_ids
