@@ -208,3 +208,37 @@ def test_docstring_examples_run() -> None:
 
     failures, tried = doctest.testmod(client_types)
     assert tried > 0 and failures == 0
+
+
+def test_parses_chat_shapes_serialised_by_sglang_itself() -> None:
+    # data/make_sglang_shapes.py built these with SGLang 0.5.23's own pydantic models and SSE helpers.
+    import json
+    from pathlib import Path
+
+    from sglang_hspec.client.types import ChatStreamAssembler, decode_json, parse_chat
+
+    shapes = json.loads((Path(__file__).parent / "data" / "sglang_0_5_23_chat_shapes.json").read_text())
+    whole = parse_chat(shapes["chat"], client_latency_s=1.0)
+    assembler = ChatStreamAssembler()
+    deltas = []
+    for line in shapes["stream"].splitlines():
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            chunk = assembler.feed(decode_json(line[5:].strip(), "stream"))
+            deltas.append(chunk.text_delta if chunk else None)
+    streamed = assembler.finish(client_latency_s=1.0)
+    assert deltas == [None, "hello", " there", None, None, None]
+    assert whole == streamed
+    assert (whole.text, whole.finish_reason, whole.prompt_tokens, whole.completion_tokens) == (
+        "hello there",
+        "length",
+        3,
+        10,
+    )
+    assert whole.spec == SpecStats(
+        accept_length=2.5,
+        verify_ct=4,
+        num_correct_drafts=5,
+        num_proposed_drafts=28,
+        accept_rate=5 / 28,
+        correct_drafts_histogram=(2, 0, 1, 1, 0, 0, 0, 0),
+    )
