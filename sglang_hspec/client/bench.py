@@ -300,6 +300,8 @@ def plot(summaries: Sequence[LevelSummary], path: Path) -> None:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=server)
         ax.set_xscale("log", base=2)
+        levels = sorted({s.concurrency for s in summaries})
+        ax.set_xticks(levels, [str(c) for c in levels])
         ax.set_xlabel("concurrency")
         ax.set_title(title)
         ax.grid(alpha=0.3)
