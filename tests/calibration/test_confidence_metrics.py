@@ -1,8 +1,5 @@
 import numpy as np
 import pytest
-from sklearn.calibration import calibration_curve
-from sklearn.metrics import roc_auc_score
-
 from sglang_hspec.calibration import (
     confidence_metrics,
     expected_calibration_error,
@@ -10,6 +7,8 @@ from sglang_hspec.calibration import (
     survival_metrics,
 )
 from sglang_hspec.calibration.metrics import batched_ece
+from sklearn.calibration import calibration_curve
+from sklearn.metrics import roc_auc_score
 
 
 def test_ece_hand_computed():

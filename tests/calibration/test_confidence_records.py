@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
 import torch
-
 from sglang_hspec.calibration import ConfidenceRecorder, ConfidenceRecords, load_records, load_shard
 
 

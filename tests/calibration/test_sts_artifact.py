@@ -4,7 +4,6 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-
 from sglang_hspec.calibration import (
     StsCalibration,
     calibrated_survival,

@@ -2,7 +2,6 @@ import warnings
 
 import numpy as np
 import pytest
-
 from sglang_hspec.calibration import ConfidenceRecords, default_temperature_grid, fit_sts, records_metrics
 from sglang_hspec.calibration.fit import fit_sts_calibration
 from sglang_hspec.calibration.synthetic import drafter_like_records, overconfident_records
