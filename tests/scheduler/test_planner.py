@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 from sglang_hspec.scheduler import planner
-from sglang_hspec.scheduler.sps import SpsCostTable, SpsCurve
+from sglang_hspec.scheduler.sps import SpsAdditiveCostTable, SpsCostTable, SpsCurve
 
 
 def table(sps: list[float], *, max_batch_tokens: int | None = None) -> SpsCurve:
@@ -100,4 +100,16 @@ def test_torch_matches_reference_on_random_jagged_cases(seed):
     for b in (budget, kstar, rng.randint(0, n * k)):
         assert planner.topk_lengths(survival=surv, budget=b).tolist() == planner.topk_lengths_reference(
             survival=surv.tolist(), budget=b)
-    assert all(0 <= x <= k for x in lengths) and sum(lengths) == budget
+    assert all(0 <= x <= k for x in lengths) and sum(lengths) == budget <= kstar
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_additive_table_torch_matches_reference(seed):
+    rng = random.Random(100 + seed)
+    n, k = rng.randint(1, 12), 7
+    conf = [[rng.choice([0.25, 0.5, 0.75, 0.875, 1.0]) for _ in range(k)] for _ in range(n)]
+    curve = SpsCurve(SpsAdditiveCostTable(bias_seconds=0.01, bs_probes=[1, 16], alpha_seconds=[0.0, 0.004],
+                                          m_probes=[1, 32, 33, 128], theta_seconds=[0.0, 0.004, 0.012, 0.03]))
+    lengths, budget, kstar = both(conf, curve)
+    # early stop halts at the first local maximum of Theta, never after the first global one
+    assert sum(lengths) == budget <= kstar

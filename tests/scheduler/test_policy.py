@@ -1,9 +1,11 @@
 import logging
+import random
 
 import pytest
 import torch
+from sglang_hspec.scheduler import planner
 from sglang_hspec.scheduler.policy import ExactPolicy, FixedPolicy, StalePolicy, ThresholdPolicy
-from sglang_hspec.scheduler.sps import SpsCostTable
+from sglang_hspec.scheduler.sps import SpsCostTable, SpsCurve
 
 # Theta for one request with survivals (s1, s2, ...): 100, (1+s1)*60, (1+s1+s2)*60, ...
 JAGGED = SpsCostTable(sample_batch_tokens=[1, 2, 3, 4], sample_steps_per_sec=[100.0, 60.0, 60.0, 60.0],
@@ -96,3 +98,36 @@ def test_bad_ids_are_rejected():
     with pytest.raises(ValueError, match="k=3"):
         call(p, HIGH, [0], [0])
         call(p, [[0.5, 0.5]], [0], [0])
+
+
+def stale_reference(steps, *, table, lag, k):
+    """Plain-Python StalePolicy: history[t] = {slot: (generation, survival row)}."""
+    sps = lambda b, n: SpsCurve(table).scalar(batch_tokens=b, num_reqs=n)
+    history, out = [], []
+    for conf, slots, gens in steps:
+        surv = planner.survivals_reference(confidences=conf)
+        old_step = history[-lag] if len(history) >= lag else {}
+        old = [old_step[s][1] if s in old_step and old_step[s][0] == g else [1.0] * k
+               for s, g in zip(slots, gens)]
+        budget = planner.argmax_budget_reference(survival=old, sps=sps)
+        out.append(planner.topk_lengths_reference(survival=surv, budget=budget))
+        history.append({s: (g, row) for s, g, row in zip(slots, gens, surv)})
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stale_policy_matches_reference_with_slot_reuse_and_gaps(seed):
+    rng = random.Random(seed)
+    table = SpsCostTable(sample_batch_tokens=[1, 6, 12, 20], sample_steps_per_sec=[100.0, 80.0, 85.0, 50.0],
+                         max_batch_tokens=40)
+    k, gens, steps = 3, [0] * 6, []
+    for _ in range(40):
+        slots = sorted(rng.sample(range(6), rng.randint(1, 5)))  # some slots skip steps
+        for s in slots:
+            if rng.random() < 0.15:
+                gens[s] += 1  # the slot is reused by a new request
+        conf = [[rng.choice([0.25, 0.5, 0.75, 1.0]) for _ in range(k)] for _ in slots]
+        steps.append((conf, slots, [gens[s] for s in slots]))
+    policy = StalePolicy(table, lag=2)
+    got = [call(policy, conf, slots, g) for conf, slots, g in steps]
+    assert got == stale_reference(steps, table=table, lag=2, k=k)
