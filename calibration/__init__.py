@@ -14,7 +14,14 @@ from .metrics import (
     survival_metrics,
 )
 from .records import ConfidenceRecorder, ConfidenceRecords, load_records, load_shard, save_records
-from .sts import StsCalibration, calibrated_survival, calibrated_survival_np, load_sts, save_sts
+from .sts import (
+    StsCalibration,
+    calibrated_confidence,
+    calibrated_survival,
+    calibrated_survival_np,
+    load_sts,
+    save_sts,
+)
 
 __all__ = [
     "ConfidenceMetrics",
@@ -22,6 +29,7 @@ __all__ = [
     "ConfidenceRecords",
     "ReliabilityBins",
     "StsCalibration",
+    "calibrated_confidence",
     "calibrated_survival",
     "calibrated_survival_np",
     "confidence_metrics",

@@ -125,6 +125,24 @@ def _check_temperatures(values: list[float], gamma: int) -> None:
         raise ValueError(f"temperatures must be finite and > 0, got {values}")
 
 
+def calibrated_confidence(
+    *,
+    confidence_logits: torch.Tensor,
+    temperatures: StsCalibration | Sequence[float] | torch.Tensor | None,
+) -> torch.Tensor:
+    """Per-slot conditional confidence c_j = sigmoid(z_j / T_j) over the last dim of raw logits [..., gamma]
+    (what the scheduler's planners take; `calibrated_survival` is its cumulative product).
+
+    `temperatures=None` means uncalibrated (all T = 1). float32 on the logits' device."""
+    gamma = confidence_logits.shape[-1]
+    z = confidence_logits.float()
+    if temperatures is not None:
+        values = _temperature_list(temperatures)
+        _check_temperatures(values, gamma)
+        z = z / torch.tensor(values, dtype=torch.float32, device=z.device)
+    return torch.sigmoid(z)
+
+
 def calibrated_survival(
     *,
     confidence_logits: torch.Tensor,
@@ -134,13 +152,9 @@ def calibrated_survival(
 
     `temperatures=None` means uncalibrated (all T = 1). Computed in float32 (the head's dtype in SGLang)
     and returned in float32 on the logits' device."""
-    gamma = confidence_logits.shape[-1]
-    z = confidence_logits.float()
-    if temperatures is not None:
-        values = _temperature_list(temperatures)
-        _check_temperatures(values, gamma)
-        z = z / torch.tensor(values, dtype=torch.float32, device=z.device)
-    return torch.cumprod(torch.sigmoid(z), dim=-1)
+    return torch.cumprod(
+        calibrated_confidence(confidence_logits=confidence_logits, temperatures=temperatures), dim=-1
+    )
 
 
 def calibrated_survival_np(

@@ -6,6 +6,7 @@ import pytest
 import torch
 from sglang_hspec.calibration import (
     StsCalibration,
+    calibrated_confidence,
     calibrated_survival,
     calibrated_survival_np,
     load_sts,
@@ -94,6 +95,8 @@ def test_calibrated_survival_hand_computed():
     c = math.sqrt(3.0) / (1.0 + math.sqrt(3.0))
     scaled = calibrated_survival(confidence_logits=logits, temperatures=[1.0, 2.0])
     torch.testing.assert_close(scaled, torch.tensor([[0.5, 0.5 * c], [0.75, 0.75 * 0.5]]))
+    per_slot = calibrated_confidence(confidence_logits=logits, temperatures=[1.0, 2.0])
+    torch.testing.assert_close(per_slot, torch.tensor([[0.5, c], [0.75, 0.5]]))
 
 
 def test_torch_and_numpy_twins_agree_on_batched_input():
