@@ -1,0 +1,225 @@
+"""Tiny checkpoints for the SGLang CPU tier (shared/reference/offline-assets.md §3, sglang-cpu-e2e.md §6).
+
+Built in code in a few seconds, written as HF `config.json` + safetensors + tokenizer files so that
+SGLang loads them as it would any model directory. Deterministic: same seed -> same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+VOCAB = 1024
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Prompts the bigram draft is fitted on and the end-to-end tests send.
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Parser:\n    def __init__(self",
+    "for i in range(10):",
+    "The quick brown fox",
+    "return self._cache[key]",
+]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _atomic_dir(out: Path, build) -> Path:
+    """Build into a sibling temp dir, then rename, so a crash never leaves a half-written checkpoint."""
+    out = Path(out)
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def build_tokenizer(out_dir: Path, *, num_files: int = 60):
+    """Byte-level BPE (vocab 1024) trained on stdlib sources; saved as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(str(p) for p in stdlib.glob("*.py"))[:num_files]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(files, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def tiny_qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-6,
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def build_tiny_target(out: Path, *, seed: int = 0) -> Path:
+    """Qwen3ForCausalLM, 2 layers, H=128, 4 q / 2 kv heads, head_dim 32, V=1024, bf16 (1.1 MB)."""
+    from transformers import AutoModelForCausalLM
+
+    def build(tmp: Path) -> None:
+        cfg = tiny_qwen3_config()
+        # std 0.2 instead of 0.02: peaked next-token distributions, so greedy ties (and bf16 near-ties)
+        # are rare and a wrong token shows up quickly.
+        cfg.initializer_range = 0.2
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(tmp)
+        build_tokenizer(tmp)
+
+    return _atomic_dir(out, build)
+
+
+def load_target(path: Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@torch.no_grad()
+def hf_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation ids from HF transformers in float32 (the golden reference)."""
+    model, tok = load_target(target_dir), load_tokenizer(target_dir)
+    out = []
+    for p in prompts:
+        ids = torch.tensor([tok.encode(p)])
+        gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def _dspark_config(target_dir: Path, *, block_size: int, markov_rank: int) -> dict:
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    n_target = cfg["num_hidden_layers"]
+    cfg.update(
+        architectures=["Qwen3DSparkModel"], model_type="qwen3", num_hidden_layers=1,
+        layer_types=["full_attention"], block_size=block_size, num_target_layers=n_target,
+        # Capture id 0 is taken before target layer 1 (SGLang adds 1), so K=1 and fc is [H, H].
+        dflash_config={"mask_token_id": VOCAB - 1, "target_layer_ids": [0], "block_size": block_size,
+                       "num_target_layers": n_target},
+        markov_rank=markov_rank, markov_head_type="vanilla", enable_confidence_head=True,
+        confidence_head_with_markov=True, sample_from_anchor=True, tie_word_embeddings=False,
+    )
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = "bfloat16"
+    return cfg
+
+
+def _dspark_weights(cfg: dict, *, seed: int, markov_w1=None, markov_w2=None) -> dict[str, torch.Tensor]:
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    k = len(cfg["dflash_config"]["target_layer_ids"])
+    r = cfg["markov_rank"]
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)
+    p = "model.layers.0."
+    w = {
+        p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+        p + "self_attn.q_proj.weight": rnd(nq * hd, h), p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
+        p + "self_attn.v_proj.weight": rnd(nkv * hd, h), p + "self_attn.o_proj.weight": rnd(h, nq * hd),
+        p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
+        p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+        p + "mlp.down_proj.weight": rnd(h, inter),
+        "model.norm.weight": ones(h), "model.hidden_norm.weight": ones(h), "model.fc.weight": rnd(h, k * h),
+        "markov_head.markov_w1.weight": rnd(v, r) if markov_w1 is None else markov_w1.to(torch.bfloat16),
+        "markov_head.markov_w2.weight": rnd(v, r) if markov_w2 is None else markov_w2.to(torch.bfloat16),
+        # float32: SGLang builds the confidence head in fp32 (only in non-static modes; shipping it
+        # lets one checkpoint serve every mode).
+        "confidence_head.proj.weight": torch.randn(1, h + r, generator=g) * 0.02,
+        "confidence_head.proj.bias": torch.zeros(1),
+    }
+    return {name: t.contiguous() for name, t in w.items()}
+
+
+def _write_draft(out: Path, target_dir: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> None:
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(weights, str(out / "model.safetensors"))
+    for name in TOKENIZER_FILES:
+        if (Path(target_dir) / name).exists():
+            shutil.copy(Path(target_dir) / name, out / name)
+
+
+def build_dspark_draft(out: Path, target_dir: Path, *, block_size: int = 3, seed: int = 1) -> Path:
+    """A random DSpark draft (1 layer, Markov rank 16): exercises every stage, accepts little."""
+
+    def build(tmp: Path) -> None:
+        cfg = _dspark_config(target_dir, block_size=block_size, markov_rank=16)
+        _write_draft(tmp, target_dir, cfg, _dspark_weights(cfg, seed=seed))
+
+    return _atomic_dir(out, build)
+
+
+@torch.no_grad()
+def bigram_table(target_dir: Path, prompts: list[str], *, max_new_tokens: int = 64) -> torch.Tensor:
+    """next[prev] = the most frequent successor of `prev` in the target's greedy continuations of
+    `prompts`; tokens never seen there get the target's argmax given that token alone."""
+    model, tok = load_target(target_dir), load_tokenizer(target_dir)
+    v = model.config.vocab_size
+    alone = model(torch.arange(v)[:, None]).logits[:, -1].argmax(-1)
+    counts: dict[int, Counter] = {}
+    for p, seq in zip(prompts, hf_greedy(target_dir, prompts, max_new_tokens)):
+        # The prompt's last token precedes the first generated one.
+        seq = [tok.encode(p)[-1], *seq]
+        for a, b in zip(seq[:-1], seq[1:]):
+            counts.setdefault(a, Counter())[b] += 1
+    nxt = alone.clone()
+    for a, c in counts.items():
+        nxt[a] = c.most_common(1)[0][0]
+    return nxt
+
+
+def build_bigram_draft(out: Path, target_dir: Path, *, prompts: list[str] = PROMPTS, block_size: int = 3,
+                       seed: int = 1, strength: float = 30.0) -> Path:
+    """A DSpark draft whose Markov head (rank V: w1 = I, w2[next, prev] = strength) proposes the
+    target's own greedy bigram continuation, forcing real multi-token acceptance. Rebuild it whenever
+    the target changes."""
+
+    def build(tmp: Path) -> None:
+        cfg = _dspark_config(target_dir, block_size=block_size, markov_rank=VOCAB)
+        nxt = bigram_table(target_dir, prompts)
+        w1 = torch.eye(VOCAB)
+        w2 = torch.zeros(VOCAB, VOCAB)
+        w2[nxt, torch.arange(VOCAB)] = strength
+        _write_draft(tmp, target_dir, cfg, _dspark_weights(cfg, seed=seed, markov_w1=w1, markov_w2=w2))
+
+    return _atomic_dir(out, build)

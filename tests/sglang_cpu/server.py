@@ -1,0 +1,150 @@
+"""Launch, query and stop a small SGLang server on CPU (loopback only), for tests.
+
+Everything the CPU tier needs goes through the environment of the launched process (the scheduler and
+detokenizer are its subprocesses and inherit it): nothing is active in a normal SGLang install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHIM_DIR = HERE / "shim"
+PLUGIN_DIR = HERE / "plugin"
+CPU_PLUGIN_ENTRY = "sglang_cpu_testing"
+READY_LINE = "The server is fired up and ready to roll!"
+
+
+def sglang_python() -> str:
+    """The interpreter that has sglang: $HSPEC_SGLANG_PYTHON, else the repo's .venv-sglang, else ours."""
+    if os.environ.get("HSPEC_SGLANG_PYTHON"):
+        return os.environ["HSPEC_SGLANG_PYTHON"]
+    venv = HERE.parents[1] / ".venv-sglang" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def cpu_env(*, plugins: tuple[str, ...] = (CPU_PLUGIN_ENTRY,), base: dict | None = None) -> dict[str, str]:
+    """The environment that turns on the CPU tier: CPU engine, the shim and plugin dirs first on
+    PYTHONPATH, and a whitelist of plugin entry points (keeps unrelated installed plugins out)."""
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    extra = [str(SHIM_DIR), str(PLUGIN_DIR)]
+    if env.get("PYTHONPATH"):
+        extra.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(extra)
+    env["SGLANG_PLUGINS"] = ",".join(plugins)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    started_s: float = 0.0
+    ready_s: float = field(default=0.0)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def post(self, path: str, payload: dict, timeout: float = 300.0) -> dict | list:
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int, **sampling) -> list[dict]:
+        """One batched /generate call; greedy with ignore_eos unless told otherwise."""
+        key = "input_ids" if prompts and isinstance(prompts[0], list) else "text"
+        params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **sampling}
+        out = self.post("/generate", {key: prompts, "sampling_params": params})
+        return out if isinstance(out, list) else [out]
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM the launcher's process group (scheduler and detokenizer included), then SIGKILL
+        what is left."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers in the group, if any
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+def launch(
+    model_path: Path,
+    *,
+    log_path: Path,
+    args: list[str] = (),
+    plugins: tuple[str, ...] = (CPU_PLUGIN_ENTRY,),
+    env_extra: dict[str, str] | None = None,
+    dtype: str = "float32",
+    timeout: float = 300.0,
+) -> Server:
+    """Start `python -m sglang.launch_server` on a free loopback port and wait until it is ready.
+    Raises RuntimeError with the log tail when it dies or does not come up in time."""
+    port = free_port()
+    cmd = [
+        sglang_python(), "-m", "sglang.launch_server", "--model-path", str(model_path), "--device", "cpu",
+        "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096", "--skip-server-warmup",
+        "--disable-cuda-graph", "--dtype", dtype, *args,
+    ]
+    env = cpu_env(plugins=plugins)
+    env.update(env_extra or {})
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log_path, "wb") as fh:
+        # Own process group: stop() reaches the scheduler/detokenizer children too.
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = Server(proc=proc, port=port, log_path=log_path, started_s=t0)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sglang server exited with {proc.returncode}:\n{server.log()[-6000:]}")
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"sglang server not ready after {timeout:.0f} s:\n{server.log()[-6000:]}")
+            try:
+                with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+    except BaseException:
+        server.stop()
+        raise
+    server.ready_s = time.monotonic() - t0
+    return server
