@@ -6,6 +6,7 @@ detokenizer are its subprocesses and inherit it): nothing is active in a normal 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -26,9 +27,12 @@ READY_LINE = "The server is fired up and ready to roll!"
 
 
 def sglang_python() -> str:
-    """The interpreter that has sglang: $HSPEC_SGLANG_PYTHON, else the repo's .venv-sglang, else ours."""
+    """The interpreter that runs the server: $HSPEC_SGLANG_PYTHON, else this one if it has sglang, else the
+    repo's .venv-sglang."""
     if os.environ.get("HSPEC_SGLANG_PYTHON"):
         return os.environ["HSPEC_SGLANG_PYTHON"]
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable
     venv = HERE.parents[1] / ".venv-sglang" / "bin" / "python"
     return str(venv) if venv.exists() else sys.executable
 

@@ -1,0 +1,151 @@
+"""Server-argument handling for `--speculative-algorithm HSPEC` (no SGLang import: unit-testable anywhere).
+
+SGLang calls `validate_server_args` and `handle_server_args` with a recorder that reads through its
+resolving view and declares plain attribute writes (`sglang/srt/arg_groups/overrides.py`
+`record_foreign_defaults`), so both read and write `server_args.x` directly. The drafter checkpoint's
+`config.json` (`hspec` section, see sglang_hspec/model/checkpoint.py) is the single source of truth for
+the block size: the verify window is block size + 1 draft tokens (the anchor plus the block).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from sglang_hspec.model.checkpoint import check_against_target
+from sglang_hspec.model.config import HSpecConfig
+from sglang_hspec.target.geometry import TargetGeometry
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM = "HSPEC"
+DEFAULT_MAX_RUNNING_REQUESTS = 48  # as DSpark's resolver (speculative_hook._handle_dspark)
+
+# config fields that mark MLA / DeepSeek sparse attention targets (their KV is a latent, not per-head K/V)
+_MLA_FIELDS = ("kv_lora_rank", "index_topk")
+# hybrid sliding-window markers besides `layer_types` (Gemma-2/3, Cohere-2, GPT-OSS style configs)
+_HYBRID_SWA_FIELDS = ("sliding_window_pattern", "interleaved_sliding_window")
+
+
+def _config_json(path: str | Path, what: str) -> dict[str, Any]:
+    """config.json of a local checkpoint dir, or of a hub id already in the local HF cache."""
+    p = Path(path)
+    if p.is_dir():
+        f = p / "config.json"
+        if not f.is_file():
+            raise ValueError(f"{what} {path!s} has no config.json; pass a checkpoint directory")
+        return json.loads(f.read_text())
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(str(path), "config.json")).read_text())
+    except Exception as e:  # offline and not cached, bad id, ...
+        raise ValueError(
+            f"{what} {path!s} is neither a local checkpoint directory nor a cached hub model ({e}); "
+            "pass the directory that holds its config.json"
+        ) from e
+
+
+def read_drafter_config(draft_path: str | Path) -> HSpecConfig:
+    raw = _config_json(draft_path, "--speculative-draft-model-path")
+    if "hspec" not in raw:
+        raise ValueError(
+            f"--speculative-draft-model-path {draft_path!s} is not an H-Spec drafter: its config.json has no "
+            "'hspec' section (write drafters with sglang_hspec.model.checkpoint.save_drafter). For a stock "
+            "DSpark draft use --speculative-algorithm DSPARK."
+        )
+    return HSpecConfig.from_dict(raw["hspec"])
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    # multimodal wrappers keep the language model's fields under text_config
+    return {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
+
+
+def unsupported_target_reason(raw: dict[str, Any]) -> str | None:
+    """Why H-Spec cannot read this target's KV cache in place, or None. The drafter's attention reads
+    per-head post-RoPE K/V from one full-attention pool (`MHATokenToKVPool`)."""
+    cfg = _text_config(raw)
+    if any(cfg.get(f) is not None for f in _MLA_FIELDS) or cfg.get("use_mla"):
+        return ("MLA/DSA attention (a compressed latent KV cache, no per-head keys to read); "
+                "H-Spec supports MHA/GQA targets such as Llama, Qwen2 and Qwen3")
+    types = [str(t) for t in cfg.get("layer_types") or ()]
+    if any("sliding" in t for t in types) or any(cfg.get(f) is not None for f in _HYBRID_SWA_FIELDS):
+        return ("hybrid sliding-window attention (SGLang keeps such layers in a separate SWA pool that "
+                "evicts old tokens); H-Spec needs a target whose layers all use full attention")
+    if any(t in ("linear_attention", "mamba", "mamba2") for t in types):
+        return "hybrid linear-attention/Mamba layers (no KV cache to read in those layers)"
+    return None
+
+
+def target_geometry(raw: dict[str, Any]) -> TargetGeometry:
+    from transformers import AutoConfig
+
+    cfg = _text_config(raw)
+    hf = AutoConfig.for_model(**cfg) if "model_type" in cfg else None
+    if hf is None:
+        raise ValueError("the target's config.json has no model_type")
+    return TargetGeometry.from_hf_config(hf)
+
+
+def validate_server_args(server_args: Any) -> None:
+    """Reject what HSPEC cannot serve, in the launcher, before any process starts."""
+    if getattr(server_args, "speculative_draft_model_path", None) is None:
+        raise ValueError(
+            "--speculative-algorithm HSPEC requires --speculative-draft-model-path <H-Spec drafter checkpoint>"
+        )
+    if int(getattr(server_args, "pp_size", 1) or 1) != 1:
+        raise ValueError(f"HSPEC does not support pipeline parallelism (got --pp-size {server_args.pp_size}); "
+                         "use --pp-size 1")
+    if getattr(server_args, "enable_dp_attention", False):
+        raise ValueError("HSPEC does not support DP attention (--enable-dp-attention): the drafter reads the "
+                         "target KV pool of its own rank; drop the flag")
+    if (getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
+        raise ValueError("HSPEC does not support prefill/decode disaggregation yet; drop --disaggregation-mode")
+    if getattr(server_args, "enable_unified_memory", False):
+        raise ValueError("HSPEC does not support --enable-unified-memory")
+    raw = _config_json(server_args.model_path, "--model-path")
+    reason = unsupported_target_reason(raw)
+    if reason:
+        raise ValueError(f"HSPEC cannot serve target {server_args.model_path!s}: {reason}")
+    drafter = read_drafter_config(server_args.speculative_draft_model_path)
+    try:
+        geometry = target_geometry(raw)
+    except ValueError as e:
+        raise ValueError(f"HSPEC cannot serve target {server_args.model_path!s}: {e}") from e
+    check_against_target(drafter, geometry)
+
+
+def num_draft_tokens(drafter: HSpecConfig) -> int:
+    return drafter.block_size + 1
+
+
+def handle_server_args(server_args: Any) -> None:
+    """Resolve the speculative arguments as DSpark does (`_handle_dspark`), from the drafter checkpoint."""
+    drafter = read_drafter_config(server_args.speculative_draft_model_path)
+    window = num_draft_tokens(drafter)
+    explicit = getattr(server_args, "speculative_num_draft_tokens", None)
+    if explicit is not None and int(explicit) != window:
+        raise ValueError(
+            f"--speculative-num-draft-tokens {explicit} does not match the drafter: its block size is "
+            f"{drafter.block_size}, so the verify window is {window} tokens; drop the flag or pass {window}"
+        )
+    block = getattr(server_args, "speculative_dspark_block_size", None)
+    if block is not None and int(block) != drafter.block_size:
+        raise ValueError(
+            f"--speculative-dspark-block-size {block} does not match the drafter's block size "
+            f"{drafter.block_size}; drop the flag"
+        )
+    for name in ("speculative_num_steps", "speculative_eagle_topk"):
+        value = getattr(server_args, name, None)
+        if value is not None and int(value) != 1:
+            logger.warning("HSPEC drafts one block per step; overriding %s=%s to 1", name, value)
+        setattr(server_args, name, 1)
+    server_args.speculative_num_draft_tokens = window
+    if getattr(server_args, "max_running_requests", None) is None:
+        server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
+    if getattr(server_args, "enable_mixed_chunk", False):
+        logger.warning("HSPEC does not support mixed chunked prefill (v1); disabling --enable-mixed-chunk")
+    server_args.enable_mixed_chunk = False

@@ -1,0 +1,138 @@
+"""HSPEC server-argument handling (pure: runs without SGLang; SGLang hands these functions a recorder
+with the same attribute interface as the SimpleNamespace used here)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_hspec.model.config import HSpecConfig
+from sglang_hspec.sglang_plugin import server_args as sa
+from sglang_hspec.target.geometry import TargetGeometry
+
+
+def _target_config(**overrides) -> dict:
+    from sglang_cpu.builders import tiny_qwen3_config
+
+    cfg = tiny_qwen3_config(num_hidden_layers=6).to_dict()
+    cfg.update(overrides)
+    return cfg
+
+
+def _write(path, config: dict):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _drafter_config(target: dict, block_size: int = 7) -> dict:
+    from transformers import AutoConfig
+
+    geometry = TargetGeometry.from_hf_config(AutoConfig.for_model(**target))
+    cfg = HSpecConfig(target=geometry, target_layer_ids=(0, 1, 2, 3, 4), mask_token_id=1000,
+                      intermediate_size=256, block_size=block_size, mamba_num_heads=4, draft_vocab_size=512)
+    return {"architectures": ["HSpecDraftModel"], "hspec": cfg.to_dict()}
+
+
+@pytest.fixture
+def ckpts(tmp_path):
+    target = _target_config()
+    return {
+        "target": _write(tmp_path / "target", target),
+        "draft": _write(tmp_path / "draft", _drafter_config(target)),
+        "draft5": _write(tmp_path / "draft5", _drafter_config(target, block_size=5)),
+    }
+
+
+def _args(ckpts, **kw):
+    base = dict(model_path=str(ckpts["target"]), speculative_draft_model_path=str(ckpts["draft"]),
+                speculative_num_draft_tokens=None, speculative_dspark_block_size=None,
+                speculative_num_steps=None, speculative_eagle_topk=None, max_running_requests=None,
+                enable_mixed_chunk=False, pp_size=1, enable_dp_attention=False, disaggregation_mode="null",
+                enable_unified_memory=False)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("draft,window", [("draft", 8), ("draft5", 6)])
+def test_draft_tokens_are_block_size_plus_one_from_the_checkpoint(ckpts, draft, window):
+    args = _args(ckpts, speculative_draft_model_path=str(ckpts[draft]))
+    sa.validate_server_args(args)
+    sa.handle_server_args(args)
+    assert args.speculative_num_draft_tokens == window
+    assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
+    assert args.max_running_requests == 48
+    assert args.enable_mixed_chunk is False
+
+
+def test_explicit_values_that_agree_are_kept(ckpts):
+    args = _args(ckpts, speculative_num_draft_tokens=8, speculative_dspark_block_size=7, max_running_requests=3,
+                 enable_mixed_chunk=True, speculative_num_steps=4)
+    sa.handle_server_args(args)
+    assert args.speculative_num_draft_tokens == 8
+    assert args.max_running_requests == 3
+    assert args.speculative_num_steps == 1
+    assert args.enable_mixed_chunk is False
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("speculative_num_draft_tokens", 5, r"--speculative-num-draft-tokens 5 .* block size is 7.* pass 8"),
+    ("speculative_dspark_block_size", 3, r"--speculative-dspark-block-size 3 .* block size 7"),
+])
+def test_disagreeing_draft_width_is_rejected(ckpts, flag, value, match):
+    with pytest.raises(ValueError, match=match):
+        sa.handle_server_args(_args(ckpts, **{flag: value}))
+
+
+def test_draft_model_path_is_required(ckpts):
+    with pytest.raises(ValueError, match="requires --speculative-draft-model-path"):
+        sa.validate_server_args(_args(ckpts, speculative_draft_model_path=None))
+
+
+def test_a_non_hspec_draft_is_rejected(ckpts, tmp_path):
+    dspark = _write(tmp_path / "dspark", {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3"})
+    with pytest.raises(ValueError, match="not an H-Spec drafter.*--speculative-algorithm DSPARK"):
+        sa.validate_server_args(_args(ckpts, speculative_draft_model_path=str(dspark)))
+
+
+def test_a_missing_draft_dir_is_a_clear_error(ckpts, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="neither a local checkpoint directory nor a cached hub model"):
+        sa.validate_server_args(_args(ckpts, speculative_draft_model_path=str(tmp_path / "nope")))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"kv_lora_rank": 512, "q_lora_rank": 1536}, "MLA/DSA"),
+    ({"index_topk": 2048}, "MLA/DSA"),
+    ({"layer_types": ["sliding_attention"] * 5 + ["full_attention"]}, "hybrid sliding-window"),
+    ({"sliding_window_pattern": 6}, "hybrid sliding-window"),
+    ({"layer_types": ["linear_attention", "full_attention"] * 3}, "linear-attention"),
+])
+def test_unsupported_targets_are_rejected(ckpts, tmp_path, overrides, match):
+    target = _write(tmp_path / "bad_target", _target_config(**overrides))
+    with pytest.raises(ValueError, match=f"HSPEC cannot serve target .*{match}"):
+        sa.validate_server_args(_args(ckpts, model_path=str(target)))
+
+
+def test_multimodal_wrapper_is_checked_on_its_text_config():
+    assert sa.unsupported_target_reason({"text_config": {"kv_lora_rank": 512}}).startswith("MLA")
+    assert sa.unsupported_target_reason(_target_config()) is None
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"pp_size": 2}, "pipeline parallelism"),
+    ({"enable_dp_attention": True}, "DP attention"),
+    ({"disaggregation_mode": "decode"}, "disaggregation"),
+    ({"enable_unified_memory": True}, "unified-memory"),
+])
+def test_unsupported_parallel_modes_are_rejected(ckpts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        sa.validate_server_args(_args(ckpts, **kw))
+
+
+def test_drafter_for_another_target_is_rejected(ckpts, tmp_path):
+    other = _write(tmp_path / "other", _target_config(num_key_value_heads=4))
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        sa.validate_server_args(_args(ckpts, model_path=str(other)))
