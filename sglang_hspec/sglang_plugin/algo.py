@@ -60,9 +60,9 @@ class HSpecSpecAlgo(CustomSpecAlgo):
         _args.handle_server_args(server_args)
 
     def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
-        # DSpark drafts from the anchor (q = gamma rows on the draft); H-Spec's checkpoints set
-        # sample_from_anchor false, so the draft block has the full gamma + 1 rows.
-        return num_draft_tokens
+        # DSpark's rule, not inherited by CustomSpecAlgo: the draft block is the anchor plus gamma - 1
+        # masks (slot j predicts anchor + j + 1, sample_from_anchor), one row fewer than the verify window.
+        return num_draft_tokens - 1 if is_draft_worker else num_draft_tokens
 
 
 def worker_factory(server_args):

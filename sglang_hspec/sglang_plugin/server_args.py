@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_hspec.model.checkpoint import check_against_target
-from sglang_hspec.model.config import HSpecConfig
+from sglang_hspec.model.config import SLOT_CONVENTION, HSpecConfig
 from sglang_hspec.target.geometry import TargetGeometry
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,14 @@ def read_drafter_config(draft_path: str | Path) -> HSpecConfig:
             f"--speculative-draft-model-path {draft_path!s} is not an H-Spec drafter: its config.json has no "
             "'hspec' section (write drafters with sglang_hspec.model.checkpoint.save_drafter). For a stock "
             "DSpark draft use --speculative-algorithm DSPARK."
+        )
+    if raw.get("sample_from_anchor", True) is not True:
+        # SGLang's DSpark runtime reads this flag: False means a gamma + 1 row block whose anchor row is
+        # dropped (DFlash's slot j -> anchor + j), which silently drops acceptance to ~1 for our drafters.
+        raise ValueError(
+            f"{draft_path!s}/config.json sets sample_from_anchor={raw['sample_from_anchor']!r}, but H-Spec "
+            f"drafters use DSpark's slot convention ({SLOT_CONVENTION}: the anchor row predicts the first "
+            "draft token), which SGLang runs with sample_from_anchor true; set it to true"
         )
     return HSpecConfig.from_dict(raw["hspec"])
 

@@ -140,10 +140,13 @@ def test_predicates_match_dspark_except_the_v1_limits(hspec):
 
 
 @pytest.mark.sglang
-def test_draft_block_has_all_gamma_plus_one_rows(hspec):
-    # H-Spec drafts with sample_from_anchor false: the draft forward is as wide as the verify window.
-    assert hspec.get_num_tokens_per_req_for_target_verify(8, is_draft_worker=True) == 8
-    assert hspec.get_num_tokens_per_req_for_target_verify(8, is_draft_worker=False) == 8
+def test_tokens_per_request_follow_dspark_rule(hspec):
+    # The draft block is the anchor plus gamma - 1 masks: one row fewer than the verify window.
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    for is_draft, want in ((True, 7), (False, 8)):
+        assert hspec.get_num_tokens_per_req_for_target_verify(8, is_draft_worker=is_draft) == want
+        assert SpeculativeAlgorithm.DSPARK.get_num_tokens_per_req_for_target_verify(8, is_draft) == want
 
 
 @pytest.mark.sglang

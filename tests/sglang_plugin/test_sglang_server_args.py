@@ -97,6 +97,13 @@ def test_a_non_hspec_draft_is_rejected(ckpts, tmp_path):
         sa.validate_server_args(_args(ckpts, speculative_draft_model_path=str(dspark)))
 
 
+def test_sample_from_anchor_false_is_rejected(ckpts, tmp_path):
+    cfg = json.loads((ckpts["draft"] / "config.json").read_text())
+    bad = _write(tmp_path / "bad_draft", {**cfg, "sample_from_anchor": False})
+    with pytest.raises(ValueError, match="sample_from_anchor=False.*set it to true"):
+        sa.validate_server_args(_args(ckpts, speculative_draft_model_path=str(bad)))
+
+
 def test_a_missing_draft_dir_is_a_clear_error(ckpts, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="neither a local checkpoint directory nor a cached hub model"):
