@@ -223,3 +223,31 @@ def build_bigram_draft(out: Path, target_dir: Path, *, prompts: list[str] = PROM
         _write_draft(tmp, target_dir, cfg, _dspark_weights(cfg, seed=seed, markov_w1=w1, markov_w2=w2))
 
     return _atomic_dir(out, build)
+
+
+def build_hspec_draft_config(out: Path, target_dir: Path, *, block_size: int = 3) -> Path:
+    """config.json of an H-Spec drafter for the tiny target (no weights: enough for argument handling
+    and for reaching the worker). Top level reads as a Qwen3-shaped DSpark draft for SGLang's loader;
+    the `hspec` section is authoritative."""
+    from transformers import AutoConfig
+
+    from sglang_hspec.model.config import HSpecConfig
+    from sglang_hspec.target.geometry import TargetGeometry
+
+    def build(tmp: Path) -> None:
+        target = json.loads((Path(target_dir) / "config.json").read_text())
+        geometry = TargetGeometry.from_hf_config(AutoConfig.for_model(**target))
+        n = target["num_hidden_layers"]
+        ids = tuple(min(i * n // 5, n - 1) for i in range(5))  # 5 capture ids over a 2-layer target
+        cfg = HSpecConfig(target=geometry, target_layer_ids=ids, mask_token_id=VOCAB - 1,
+                          intermediate_size=target["intermediate_size"], block_size=block_size,
+                          mamba_num_heads=4, draft_vocab_size=VOCAB, markov_rank=16)
+        top = dict(target, architectures=["HSpecDraftModel"], model_type="qwen3", num_hidden_layers=cfg.num_layers,
+                   layer_types=["full_attention"] * cfg.num_layers, block_size=block_size, markov_rank=16,
+                   markov_head_type="vanilla", enable_confidence_head=True, sample_from_anchor=True,
+                   dflash_config={"mask_token_id": VOCAB - 1, "target_layer_ids": sorted(set(ids)),
+                                  "block_size": block_size},
+                   hspec=cfg.to_dict())
+        (tmp / "config.json").write_text(json.dumps(top, indent=2))
+
+    return _atomic_dir(out, build)

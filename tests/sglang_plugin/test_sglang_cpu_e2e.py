@@ -46,3 +46,19 @@ def test_dspark_greedy_equals_nonspec(tiny_checkpoints, sglang_server, baseline_
     assert all(a is not None and 1.0 <= a <= 4.0 for a in accept), accept  # gamma 3: at most 4 per step
     # The bigram draft proposes the target's own continuation: real multi-token acceptance.
     assert sum(accept) / len(accept) >= min_mean_accept, accept
+
+
+def test_hspec_launch_reaches_the_worker_in_the_scheduler(tiny_checkpoints, tmp_path, sglang_server):
+    """`--speculative-algorithm HSPEC` parses in the launcher (plugin loaded before argument parsing),
+    passes our argument handling, and the scheduler process builds HSpecWorkerV2, which stops at the
+    missing draft-model adapter with its clear error. When the adapter lands, this becomes the HSPEC
+    greedy-parity case."""
+    from sglang_cpu import builders
+
+    draft = builders.build_hspec_draft_config(tmp_path / "hspec", tiny_checkpoints["target"])
+    with pytest.raises(RuntimeError, match="exited") as err:
+        sglang_server(tiny_checkpoints["target"], name="hspec", plugins=("sglang_cpu_testing", "hspec"),
+                      args=["--speculative-algorithm", "HSPEC", "--speculative-draft-model-path", str(draft)])
+    log = str(err.value)
+    assert "sglang_hspec/sglang_plugin/worker.py" in log and "in __init__" in log
+    assert "NotImplementedError: HSPEC serving needs the SGLang adapter for the H-Spec drafter" in log
