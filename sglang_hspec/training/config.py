@@ -22,7 +22,7 @@ class ModelSection(StrictModel):
     # Hugging Face model directory
     target: str = "smollm2"
     target_kwargs: dict[str, Any] = {}
-    target_dtype: Literal["bf16", "fp32"] = "bf16"
+    target_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     block_size: int = 7
     # hidden states captured at these target layers (id L = output of decoder layer L)
     target_layer_ids: list[int]

