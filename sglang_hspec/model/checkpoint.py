@@ -50,27 +50,44 @@ def build_draft_vocab(token_counts: torch.Tensor, size: int, always_include: tup
     return torch.sort(order[:size]).values
 
 
+def sglang_capture_ids(cfg: HSpecConfig) -> list[int]:
+    """The target layers SGLang captures for this drafter: its hidden-state ids, each once, in layer order
+    (SGLang's target packs the captures [tokens, K*H] in layer order and captures a repeated id once)."""
+    return sorted(set(cfg.target_layer_ids))
+
+
 def config_json(model: DraftModel) -> dict:
     cfg = model.config
     t = cfg.target
-    # top-level fields mirror SGLang's DSpark layout; the `hspec` section is authoritative
+    rope = {"rope_theta": t.rope_theta, **{"rope_type": "default", **t.rope_scaling}}
+    # The top level must read as a config of the target's family: SGLang loads the drafter's config.json
+    # through transformers' AutoConfig (an unknown model_type such as "hspec" fails there), with DSpark's
+    # fields (sglang-integration.md §11). The `hspec` section is authoritative for our own loaders.
     return {
         "architectures": [ARCHITECTURES[cfg.kind]],
-        "model_type": "hspec",
+        "model_type": t.model_type,
         "hidden_size": t.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": t.num_attention_heads,
         "num_key_value_heads": t.num_key_value_heads,
         "head_dim": t.head_dim,
         "vocab_size": t.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope,
+        "max_position_embeddings": t.max_position_embeddings,
+        "tie_word_embeddings": False,
         "block_size": cfg.block_size,
+        "num_target_layers": t.num_hidden_layers,
         "markov_rank": cfg.markov_rank,
         "markov_head_type": "vanilla",
         "enable_confidence_head": cfg.confidence_head,
         "confidence_head_with_markov": cfg.markov_rank > 0,
-        "sample_from_anchor": False,
+        # slot j predicts anchor + j + 1: the anchor row predicts the first draft (SLOT_CONVENTION)
+        "sample_from_anchor": True,
         "draft_vocab_size": cfg.draft_vocab_size,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-                          "block_size": cfg.block_size},
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": sglang_capture_ids(cfg),
+                          "block_size": cfg.block_size, "num_target_layers": t.num_hidden_layers},
         "hspec": cfg.to_dict(),
     }
 
