@@ -7,8 +7,10 @@
 - `dflash_target_kv`: the same 5 layers read the target's KV of the 5 target layers in place, no
   hidden-state injection. It needs no subclass: `DraftModel` with the dflash pattern does it.
 
-The drafter KV cache is an explicit per-request object (`DFlashState`) the engine can hold; it must
-follow the committed context: `extend_context` appends target hidden rows, `crop` rolls back.
+The drafter KV cache (`DFlashState`) is keyed by the engine's row id and follows the committed context
+by itself: every `propose` appends `DraftContext.new_hidden` (the hidden rows of the positions committed
+since that row's previous propose, ending at n) at positions n+1-count..n. Only committed positions are
+ever appended, so rejected drafts never enter the cache and rollback is implicit.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from sglang_hspec.target.kv_view import dense_window_view
 
 @dataclass
 class DFlashState:
-    """Drafter-side KV cache of B requests: per attention layer K/V [B, kv, capacity, D] at time index ==
-    absolute position; request b holds positions 0..lengths[b]-1."""
+    """Drafter-side KV cache: per attention layer K/V [rows, kv, capacity, D] at time index == absolute
+    position; engine row r holds positions 0..lengths[r]-1 (rows never seen have length 0)."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
@@ -35,6 +37,19 @@ class DFlashState:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def _grow(t: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
+    """t [R, kv, T, D] zero-padded to at least [rows, kv, capacity, D] (geometric growth per dim:
+    amortised O(1) per appended token)."""
+    R, _, T, _ = t.shape
+    new_r = R if rows <= R else max(rows, 2 * R)
+    new_t = T if capacity <= T else max(capacity, 2 * T)
+    if (new_r, new_t) == (R, T):
+        return t
+    out = t.new_zeros(new_r, t.shape[1], new_t, t.shape[3])
+    out[:R, :, :T] = t
+    return out
 
 
 class DFlashDraftModel(DraftModel):
@@ -62,62 +77,96 @@ class DFlashDraftModel(DraftModel):
     def owned_state_bytes(self) -> int:
         return 0 if self.state is None else self.state.nbytes()
 
+    def context_lengths(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions held in the drafter KV cache per engine row (0 for rows never seen)."""
+        st = self.state
+        if st is None or st.lengths.numel() == 0:
+            return torch.zeros_like(rows)
+        known = rows < st.lengths.shape[0]
+        return torch.where(known, st.lengths[rows.clamp_max(st.lengths.shape[0] - 1)], 0)
+
     @torch.no_grad()
-    def extend_context(self, hidden_rows: torch.Tensor, counts: torch.Tensor | None = None) -> DFlashState:
-        """Append target hidden rows [B, t, 5, d] (the next positions of each request; only the first
-        counts[b] rows of request b are used) to the drafter KV cache."""
+    def _write_context(self, rows: torch.Tensor, hidden: torch.Tensor, counts: torch.Tensor,
+                       start: torch.Tensor) -> None:
+        """Write hidden[b, :counts[b]] (target rows [B, t, 5, d]) at positions start[b].. of engine row
+        rows[b]; the row then holds exactly positions 0..start[b]+counts[b]-1."""
+        dev = hidden.device
+        rows, counts, start = rows.to(dev).long(), counts.to(dev).long(), start.to(dev).long()
+        have = self.context_lengths(rows)
+        gap = start > have
+        if bool(gap.any()):
+            b = int(gap.nonzero()[0, 0])
+            raise ValueError(
+                f"{self.name}'s drafter KV cache for row {int(rows[b])} holds positions 0..{int(have[b]) - 1} but "
+                f"the new target hidden rows start at position {int(start[b])}; pass every committed position "
+                "once (DraftContext.new_hidden: the whole prompt at prefill, then anchor + accepted drafts)"
+            )
+        t = hidden.shape[1]
+        end = start + counts
+        if self.state is None:
+            self.state = DFlashState(lengths=torch.zeros(0, dtype=torch.long, device=dev))
+        st = self.state
+        num_rows = max(int(rows.max()) + 1, st.lengths.shape[0]) if rows.numel() else st.lengths.shape[0]
+        need = int(end.max()) if end.numel() else 0
+        if num_rows > st.lengths.shape[0]:
+            st.lengths = torch.cat([st.lengths, st.lengths.new_zeros(num_rows - st.lengths.shape[0])])
+        positions = start[:, None] + torch.arange(t, device=dev)
+        keep = torch.arange(t, device=dev)[None, :] < counts[:, None]
+        b_idx, j_idx = keep.nonzero(as_tuple=True)
+        r_idx, p_idx = rows[b_idx], positions[b_idx, j_idx]
+        for i, (k, v) in enumerate(self.context_kv(hidden, positions)):
+            if i >= len(st.keys):
+                st.keys.append(k.new_zeros(0, k.shape[1], 0, k.shape[3]))
+                st.values.append(v.new_zeros(0, v.shape[1], 0, v.shape[3]))
+            st.keys[i] = _grow(st.keys[i], num_rows, need)
+            st.values[i] = _grow(st.values[i], num_rows, need)
+            st.keys[i][r_idx, :, p_idx] = k[b_idx, :, j_idx]
+            st.values[i][r_idx, :, p_idx] = v[b_idx, :, j_idx]
+        # positions past `end` (rejected drafts of an earlier step, or a longer earlier request) are dropped
+        st.lengths[rows] = end
+
+    def extend_context(self, hidden_rows: torch.Tensor, counts: torch.Tensor | None = None,
+                       rows: torch.Tensor | None = None) -> DFlashState:
+        """Append target hidden rows [B, t, 5, d] (the next positions of engine rows `rows`, default
+        0..B-1; only the first counts[b] rows of request b are used) after what each row holds.
+        `propose` does this itself from DraftContext.new_hidden; benchmarks call it directly."""
         B, t = hidden_rows.shape[:2]
         dev = hidden_rows.device
+        rows = torch.arange(B, device=dev) if rows is None else rows.to(dev)
         counts = torch.full((B,), t, device=dev) if counts is None else counts.to(dev)
-        if self.state is None:
-            self.state = DFlashState(lengths=torch.zeros(B, dtype=torch.long, device=dev))
-        st = self.state
-        if st.lengths.shape[0] != B:
-            raise ValueError(f"drafter state holds {st.lengths.shape[0]} requests, got {B}; call reset() first")
-        positions = st.lengths[:, None] + torch.arange(t, device=dev)
-        new_len = st.lengths + counts
-        need = int(new_len.max())
-        kvs = self.context_kv(hidden_rows, positions)
-        for i, (k, v) in enumerate(kvs):
-            if i >= len(st.keys):
-                st.keys.append(k.new_zeros(B, k.shape[1], 0, k.shape[3]))
-                st.values.append(v.new_zeros(B, v.shape[1], 0, v.shape[3]))
-            cap = st.keys[i].shape[2]
-            if need > cap:  # grow geometrically: amortised O(1) per appended token
-                grow = max(need, 2 * cap) - cap
-                st.keys[i] = torch.cat([st.keys[i], k.new_zeros(B, k.shape[1], grow, k.shape[3])], dim=2)
-                st.values[i] = torch.cat([st.values[i], v.new_zeros(B, v.shape[1], grow, v.shape[3])], dim=2)
-            keep = torch.arange(t, device=dev)[None, :] < counts[:, None]
-            b_idx, j_idx = keep.nonzero(as_tuple=True)
-            st.keys[i][b_idx, :, positions[b_idx, j_idx]] = k[b_idx, :, j_idx]
-            st.values[i][b_idx, :, positions[b_idx, j_idx]] = v[b_idx, :, j_idx]
-        st.lengths = new_len
-        return st
+        self._write_context(rows, hidden_rows, counts, self.context_lengths(rows))
+        return self.state
 
-    def crop(self, lengths: torch.Tensor) -> None:
-        """Keep positions 0..lengths[b]-1 (after verification rejected drafted tokens)."""
+    def crop(self, lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Keep positions 0..lengths[b]-1 of engine rows `rows` (default 0..B-1)."""
         if self.state is not None:
-            self.state.lengths = torch.minimum(self.state.lengths, lengths.to(self.state.lengths.device))
+            rows = torch.arange(lengths.shape[0]) if rows is None else rows
+            rows = rows.to(self.state.lengths.device)
+            self.state.lengths[rows] = torch.minimum(self.state.lengths[rows], lengths.to(rows.device))
 
     def propose_contexts(self, ctx: DraftContext) -> dict[int, WindowKV]:
         n = ctx.last_position
-        st = self.state
-        if st is None and ctx.target_hidden is not None and bool((n == 0).all()):
-            self.extend_context(ctx.target_hidden[:, None])
-            st = self.state
-        elif st is not None:
-            self.crop(n + 1)
-            one_short = st.lengths == n
-            if bool(one_short.any()) and ctx.target_hidden is not None:
-                self.extend_context(ctx.target_hidden[:, None], counts=one_short.long())
-        if st is None or bool((st.lengths != n + 1).any()):
-            have = None if st is None else st.lengths.tolist()
+        rows = ctx.row_ids if ctx.row_ids is not None else torch.arange(n.shape[0], device=n.device)
+        rows = rows.to(n.device)
+        if ctx.new_hidden is not None:
+            t = ctx.new_hidden.shape[1]
+            counts = ctx.new_hidden_lengths
+            counts = torch.full_like(n, t) if counts is None else counts.to(n.device)
+            self._write_context(rows, ctx.new_hidden, counts, n + 1 - counts)
+        elif ctx.target_hidden is not None:
+            # no new rows given: position n alone may be missing (a caller that tracks only position n)
+            self.crop(n + 1, rows)
+            one_short = self.context_lengths(rows) == n
+            if bool(one_short.any()):
+                self._write_context(rows, ctx.target_hidden[:, None], one_short.long(), n)
+        have = self.context_lengths(rows)
+        if bool((have != n + 1).any()):
             raise ValueError(
                 f"{self.name} needs target hidden rows for every context position 0..n={n.tolist()}, its cache "
-                f"holds {have} positions; call drafter.extend_context(hidden_rows [B, t, 5, d], counts) with the "
-                "newly committed positions before propose (DraftContext carries only position n)"
+                f"holds {have.tolist()} positions; pass the positions committed since the previous propose as "
+                "DraftContext.new_hidden [B, t, 5, d] with new_hidden_lengths (the engine does this)"
             )
-        rows = torch.arange(n.shape[0], device=n.device)
+        st = self.state
         return {i: gather_window(dense_window_view(k, v, n, self.window, row_index=rows), n, self.window)
                 for i, (k, v) in enumerate(zip(st.keys, st.values))}
 

@@ -133,9 +133,9 @@ def test_greedy_propose_matches_teacher_forced_training_forward(setup, kind):
     n = torch.tensor([9, 12])
     anchors = n + 1
     hidden_last, views = context_for(model, feats, n)
-    if kind == "dspark":
-        model.extend_context(feats.hidden[:, :13], counts=n + 1)
     ctx = DraftContext(ids[torch.arange(2), anchors], n, hidden_last, views)
+    if kind == "dspark":  # its drafter KV cache is fed every committed position (here: a prefill)
+        ctx.row_ids, ctx.new_hidden, ctx.new_hidden_lengths = torch.arange(2), feats.hidden[:, :13], n + 1
     prop = model.propose(ctx, SamplingParams())
     assert prop.q is None
     teacher = ids.clone()

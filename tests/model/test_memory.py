@@ -39,12 +39,14 @@ def owned_bytes(model) -> int:
 
 
 def _propose(model, T, hidden_all):
+    """One propose at context T; the whole context arrives as new hidden rows (a prefill)."""
     n = torch.tensor([T - 1])
     g = torch.Generator().manual_seed(0)
     kv, D = model.config.target.num_key_value_heads, model.config.target.head_dim
     K = torch.randn(1, kv, T, D, generator=g, dtype=torch.float64)
     ctx = DraftContext(torch.tensor([5]), n, hidden_all[:, T - 1],
-                       {lid: dense_window_view(K, K, n, model.window) for lid in model.kv_layer_ids})
+                       {lid: dense_window_view(K, K, n, model.window) for lid in model.kv_layer_ids},
+                       row_ids=torch.tensor([0]), new_hidden=hidden_all[:, :T], new_hidden_lengths=torch.tensor([T]))
     model.propose(ctx, SamplingParams())
 
 
@@ -68,7 +70,6 @@ def test_dflash_drafter_kv_grows_linearly():
         sizes = {}
         for T in (64, 4096):
             model.reset()
-            model.extend_context(hidden[:, :T])
             _propose(model, T, hidden)
             sizes[T] = owned_bytes(model)
             assert model.owned_state_bytes() == T * per_token
