@@ -26,30 +26,25 @@ from .context import ContextState, drafter_kv_bytes_saved, prefill_last_rows, ve
 
 logger = logging.getLogger(__name__)
 
-DRAFT_ARCHITECTURE = "HSpecDraftModel"
 DUMMY_DRAFT_POOL_TOKENS = 64
 
 
 def register_draft_model_class() -> None:
-    """Make `architectures: ["HSpecDraftModel"]` loadable by SGLang's draft runner.
+    """Make `architectures: ["HSpecDraftModel"]` loadable by SGLang's draft runner (idempotent)."""
+    from sglang.srt.models.registry import ModelRegistry
 
-    ADAPTER NOT WRITTEN YET: SGLang needs an nn.Module that keeps the DSparkDraftMixin contract
-    (markov_head, confidence_head, sample_from_anchor, embed_tokens, forward_embed, compute_base_logits,
-    compute_confidence, attach_shared_modules, logits_mup_width_multiplier, load_weights,
-    prune_to_ctx_kv_injection, supports_pre_gather_target_hidden_projection=False, bind_target_kv) and
-    whose `forward(input_ids, positions, forward_batch, input_embeds)` runs sglang_hspec.model.hspec's
-    layers with Mamba initial state from `ContextState.read(req_pool_indices)` and attention over
-    `context.pool_kv_view(...)` of the target layers `kv_reuse_layer_ids`."""
-    raise NotImplementedError(
-        "HSPEC serving needs the SGLang adapter for the H-Spec drafter (HSpecDraftModel), which is not "
-        "written yet: sglang_hspec/sglang_plugin/worker.py register_draft_model_class(). Use "
-        "--speculative-algorithm DSPARK with a DSpark draft, or the embedded engine (`hspec serve`)."
-    )
+    from .draft_model import ARCHITECTURE, HSpecDraftModel
+
+    ModelRegistry.models[ARCHITECTURE] = HSpecDraftModel
 
 
 class PrefillRows(NamedTuple):
     last_rows: torch.Tensor  # [bs] rows of the packed prefill capture
     req_pool_indices: torch.Tensor  # [bs]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.last_rows  # DSpark's prefill reads `placement.positions.device`
 
 
 class HSpecContextInjector:
@@ -99,15 +94,6 @@ class HSpecVerifyExecutor(TargetVerifyExecutor):
         self.kv_injector.state.write(batch.req_pool_indices[:bs], rows)
 
 
-def context_projection(draft_model):
-    """hidden [n, K*H] -> context row [n, rank]: the drafter's state projection up to the fused rank
-    (the rank -> Mamba state step runs inside the draft forward). Provided by the draft model adapter."""
-    fn = getattr(draft_model, "project_context", None)
-    if fn is None:
-        raise NotImplementedError("the HSpecDraftModel adapter must provide project_context(hidden)")
-    return fn
-
-
 class HSpecWorkerV2(DSparkWorkerV2):
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, **kwargs):
         register_draft_model_class()
@@ -117,7 +103,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
         cfg = self.draft_model.hspec_config
         req_pool_size = self.model_runner.req_to_token_pool.req_to_token.shape[0]
         self._context = ContextState(
-            req_pool_size=req_pool_size, rank=cfg.fusion_rank, project=context_projection(self.draft_model),
+            req_pool_size=req_pool_size, rank=cfg.fusion_rank, project=self.draft_model.project_context,
             device=self.device, dtype=self.model_runner.dtype,
         )
         self._kv_injector = HSpecContextInjector(
@@ -145,7 +131,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
         target_pool = self.model_runner.token_to_kv_pool
         # Before init_attention_backends: backends (and CUDA graphs) capture the pool they are built on.
         self.draft_model_runner.token_to_kv_pool = target_pool
-        self.draft_model.bind_target_kv(target_pool, self.model_runner.model)
+        self.draft_model.bind_target_kv(target_pool, self.model_runner.req_to_token_pool.req_to_token)
         cfg = self.draft_model.hspec_config
         saved = drafter_kv_bytes_saved(
             max_total_tokens=memory_pool_config.max_total_num_tokens,

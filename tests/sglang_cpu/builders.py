@@ -225,29 +225,34 @@ def build_bigram_draft(out: Path, target_dir: Path, *, prompts: list[str] = PROM
     return _atomic_dir(out, build)
 
 
-def build_hspec_draft_config(out: Path, target_dir: Path, *, block_size: int = 3) -> Path:
-    """config.json of an H-Spec drafter for the tiny target (no weights: enough for argument handling
-    and for reaching the worker). Top level reads as a Qwen3-shaped DSpark draft for SGLang's loader;
-    the `hspec` section is authoritative."""
-    from transformers import AutoConfig
-
+def build_hspec_draft(out: Path, target_dir: Path, *, block_size: int = 3, seed: int = 2) -> Path:
+    """A random-init H-Spec drafter for the tiny target, written by our own `save_drafter` (config.json +
+    model.safetensors, exactly what the trainer writes) plus the target's tokenizer files. Hidden-state
+    ids are all 0: SGLang captures the input of layer id + 1, so a 2-layer target offers layer 0 only;
+    the attention layers read target KV layers 0 and 1. Draft vocabulary 999 of 1024 (ids outside it
+    must never be proposed)."""
+    from sglang_hspec.model.checkpoint import build_drafter, save_drafter
     from sglang_hspec.model.config import HSpecConfig
     from sglang_hspec.target.geometry import TargetGeometry
 
     def build(tmp: Path) -> None:
-        target = json.loads((Path(target_dir) / "config.json").read_text())
-        geometry = TargetGeometry.from_hf_config(AutoConfig.for_model(**target))
-        n = target["num_hidden_layers"]
-        ids = tuple(min(i * n // 5, n - 1) for i in range(5))  # 5 capture ids over a 2-layer target
-        cfg = HSpecConfig(target=geometry, target_layer_ids=ids, mask_token_id=VOCAB - 1,
-                          intermediate_size=target["intermediate_size"], block_size=block_size,
-                          mamba_num_heads=4, draft_vocab_size=VOCAB, markov_rank=16)
-        top = dict(target, architectures=["HSpecDraftModel"], model_type="qwen3", num_hidden_layers=cfg.num_layers,
-                   layer_types=["full_attention"] * cfg.num_layers, block_size=block_size, markov_rank=16,
-                   markov_head_type="vanilla", enable_confidence_head=True, sample_from_anchor=True,
-                   dflash_config={"mask_token_id": VOCAB - 1, "target_layer_ids": sorted(set(ids)),
-                                  "block_size": block_size},
-                   hspec=cfg.to_dict())
-        (tmp / "config.json").write_text(json.dumps(top, indent=2))
+        target = load_target(target_dir)
+        geometry = TargetGeometry.from_hf_config(target.config)
+        cfg = HSpecConfig(target=geometry, target_layer_ids=(0,) * 5, kv_reuse_layer_ids=(0, 1, 1),
+                          mask_token_id=VOCAB - 1, intermediate_size=256, block_size=block_size,
+                          mamba_num_heads=4, mamba_head_dim=16, mamba_groups=2, fusion_rank=64,
+                          draft_vocab_size=999, markov_rank=16)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = build_drafter("hspec", cfg, target.get_input_embeddings(), target.get_output_embeddings())
+            # the Markov W2 starts at zero (no bias); a random one exercises the full-vocabulary layout
+            torch.nn.init.normal_(model.markov.markov_w2.weight, std=0.5)
+            # a draft vocabulary that is not a prefix: every 41st id is left out, the mask id kept
+            keep = [i for i in range(VOCAB) if i % 41 != 5]
+            model.set_draft_vocab(torch.tensor(keep))
+        save_drafter(model, tmp)
+        for name in TOKENIZER_FILES:
+            if (Path(target_dir) / name).exists():
+                shutil.copy(Path(target_dir) / name, tmp / name)
 
     return _atomic_dir(out, build)
