@@ -8,6 +8,7 @@ the accepted length in O(1). Plain decoding is the same loop with the `none` dra
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -300,9 +301,17 @@ class SpeculativeEngine:
         return results
 
     def _record_confidence(self, logits, verify_len, num_acc, k) -> None:
-        # only full-block verifies say which slots would have been accepted
+        """Every verify with >= 1 draft; a recorder that takes `verify_lens` marks the slots past a shorter
+        verify as unobserved, an older one only gets full-block verifies (the only ones it can read)."""
         if self.confidence_recorder is None or logits is None:
             return
-        full = verify_len == k
-        if bool(full.any()):
-            self.confidence_recorder.add(logits[full.to(logits.device)].float().cpu(), num_acc[full].cpu())
+        add = self.confidence_recorder.add
+        partial_ok = "verify_lens" in inspect.signature(add).parameters
+        keep = verify_len > 0 if partial_ok else verify_len == k
+        if not bool(keep.any()):
+            return
+        rows = logits[keep.to(logits.device)].float().cpu()
+        if partial_ok:  # verify_lens counts the anchor too
+            add(rows, num_acc[keep].cpu(), verify_lens=1 + verify_len[keep].cpu())
+        else:
+            add(rows, num_acc[keep].cpu())

@@ -1,0 +1,105 @@
+"""`hspec eval` end to end on a tiny saved target + tiny tokenizer and a random H-Spec drafter checkpoint."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from sglang_hspec.calibration.records import load_records
+
+from sglang_hspec.assets.tiny import save_tiny_target, tiny_tokenizer
+from sglang_hspec.cli import main
+from sglang_hspec.model import HSpecConfig, build_drafter, save_drafter
+from sglang_hspec.target.geometry import TargetGeometry
+from sglang_hspec.training.eval import parse_temperatures
+
+PROMPTS = [
+    {"id": "a1", "turns": ["def add(a, b):", "and now subtract"], "dataset": "code"},
+    {"id": "a2", "turns": ["import os\nimport sys\n"], "dataset": "code"},
+    {"id": "a3", "turns": ["class Foo:"], "dataset": "code"},  # past --limit 2
+    {"id": "b1", "turns": ["Tell me about the weather in a long sentence."], "dataset": "chat"},
+    {"id": "b2", "turns": ["for i in range(10): print(i)"], "dataset": "chat"},
+]
+K = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    target_dir = save_tiny_target(root / "target", "llama", dtype=torch.float32, tokenizer=tiny_tokenizer(),
+                                  num_layers=6, hidden_size=64, head_dim=16, intermediate_size=128)
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    cfg = HSpecConfig(target=TargetGeometry.from_hf_config(target.config), target_layer_ids=(0, 1, 2, 3, 5),
+                      mask_token_id=3, intermediate_size=96, block_size=K, mamba_num_heads=4, mamba_head_dim=8,
+                      mamba_groups=2, fusion_rank=32, markov_rank=16, draft_vocab_size=512)
+    torch.manual_seed(0)
+    drafter = build_drafter("hspec", cfg, target.model.embed_tokens, target.lm_head)
+    save_drafter(drafter, root / "drafter")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return root, target_dir
+
+
+def test_eval_writes_consistent_json_markdown_png_and_records(setup):
+    root, target_dir = setup
+    out, md, png, rec = root / "r.json", root / "r.md", root / "h.png", root / "conf"
+    rc = main(["eval", "--target", str(target_dir), "--dtype", "fp32", "--drafter", str(root / "drafter"),
+               "--prompts", str(root / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "10",
+               "--temperature", "0", "--temperature", "1", "--out", str(out), "--markdown", str(md),
+               "--plot", str(png), "--record-confidence", str(rec), "--no-progress"])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    assert payload["block_size"] == K and payload["temperatures"] == [0.0, 1.0]
+    cells = [(r["dataset"], r["temperature"]) for r in payload["results"]]
+    assert cells == [("code", 0.0), ("chat", 0.0), ("code", 1.0), ("chat", 1.0)]
+    reqs = payload["requests"]
+    assert [r["id"] for r in reqs] == ["a1", "a2", "b1", "b2"] * 2
+    table = md.read_text()
+    for r in payload["results"]:
+        mine = [q for q in reqs if (q["dataset"], q["temperature"]) == (r["dataset"], r["temperature"])]
+        assert r["prompts"] == len(mine) == 2
+        steps = sum(q["num_steps"] for q in mine)
+        lengths = [a for q in mine for a in q["accept_lengths"]]
+        assert r["steps"] == steps and r["tau"] == pytest.approx(sum(lengths) / steps)
+        for j in range(K):
+            attempts = sum(q["slot_attempts"][j] for q in mine)
+            accepts = sum(q["slot_accepts"][j] for q in mine)
+            assert r["alpha"][j] == (pytest.approx(accepts / attempts) if attempts else None)
+        assert r["slot_attempts"][0] == sum(1 for q in mine for v in q["verify_lengths"] if v > 0)
+        assert r["accept_length_histogram"] == {str(a): Counter(lengths)[a] for a in range(1, K + 2)}
+        assert r["speedup"] > 0
+        assert r["identical_to_plain"] is (True if r["temperature"] == 0 else None)
+        assert f"| {r['dataset']} | {r['temperature']:g} | 2 | {r['tau']:.2f} |" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # one shard stem per (dataset, temperature); every verify with >= 1 draft is one record row
+    records = load_records(data=str(rec))
+    assert records.gamma == K and len(payload["confidence_shards"]) == 4
+    steps = [(a, v) for q in reqs for a, v in zip(q["accept_lengths"], q["verify_lengths"]) if v > 0]
+    assert records.num_samples == len(steps)
+    assert int(records.prefix_mask.sum()) == sum(a - 1 for a, _ in steps)
+    if records.observed_mask is None:  # shards omit the mask when every slot was verified
+        assert all(v == K for _, v in steps)
+    else:
+        assert int(records.observed_mask.sum()) == sum(v for _, v in steps)
+
+
+def test_eval_bad_inputs(setup, capsys):
+    root, target_dir = setup
+    base = ["eval", "--target", str(target_dir), "--dtype", "fp32", "--prompts", str(root / "prompts.jsonl"),
+            "--no-progress", "--max-new-tokens", "4"]
+    assert main([*base, "--drafter", "ngram", "--record-confidence", str(root / "x")]) == 2
+    assert "confidence head" in capsys.readouterr().err
+    assert main([*base, "--drafter", "ngram", "--temperature", "0,hot"]) == 2
+    assert "--temperature 'hot'" in capsys.readouterr().err
+    assert main(["eval", "--prompts", str(root / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_parse_temperatures():
+    assert parse_temperatures(None) == [0.0, 1.0]
+    assert parse_temperatures(["0", "0.7,1", "1"]) == [0.0, 0.7, 1.0]
+    with pytest.raises(ValueError, match="negative"):
+        parse_temperatures(["-1"])
