@@ -16,12 +16,11 @@ def make_policy(name: str, *, block_size: int, sps_table: str | None = None,
     confidences. stale: budget from confidences two steps old, lengths = top-K of the current ones.
     The transform turns raw confidence logits [B, k] into per-slot probabilities (sigmoid, or the
     STS-calibrated sigmoid(z / T_j))."""
-    from sglang_hspec.calibration.sts import load_sts
+    from sglang_hspec.calibration.sts import calibrated_confidence, load_sts
 
-    transform: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid
-    if sts is not None:
-        temps = torch.tensor(load_sts(sts, gamma=block_size).temperatures, dtype=torch.float32)
-        transform = lambda logits: torch.sigmoid(logits.float() / temps.to(logits.device))
+    temperatures = load_sts(sts, gamma=block_size) if sts is not None else None
+    # per-slot sigmoid(z_j / T_j): the planners take the running product themselves
+    transform = lambda logits: calibrated_confidence(confidence_logits=logits, temperatures=temperatures)
     if name == "fixed":
         def fixed(*, confidences, proposal_lengths, row_ids, generations):
             return proposal_lengths.clamp_max(block_size)

@@ -11,7 +11,7 @@ import functools
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bf16_is_fast(device_type: str = "cpu") -> bool:
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from sglang_hspec.target.dtypes import bf16_is_fast, resolve_dtype
 from sglang_hspec.training.config import TrainConfig, check_against_target, check_block_size, load_config
 from sglang_hspec.training.data import load_examples, patterned_examples, read_jsonl
-from sglang_hspec.target.dtypes import bf16_is_fast, resolve_dtype
 from sglang_hspec.training.losses import block_loss, position_weights, sample_anchors, slot_mask
 
 STATE_FILE = "trainer_state.pt"

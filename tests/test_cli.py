@@ -1,0 +1,57 @@
+"""`hspec` end to end through main() on a tiny saved target (fast) and the embedded one (integration)."""
+
+import json
+
+import pytest
+import torch
+
+from sglang_hspec.assets.tiny import save_tiny_target
+from sglang_hspec.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_tiny_target(tmp_path_factory.mktemp("tiny") / "target", dtype=torch.float32))
+
+
+def test_generate_json_is_lossless_across_drafters(tiny_dir, capsys):
+    outs = {}
+    for drafter in ("none", "ngram"):
+        rc = main(["generate", "--target", tiny_dir, "--dtype", "fp32", "--drafter", drafter, "--prompt",
+                   "def add(a, b):", "--max-new-tokens", "24", "--json"])
+        assert rc == 0
+        outs[drafter] = json.loads(capsys.readouterr().out)
+    assert outs["none"]["output_ids"] == outs["ngram"]["output_ids"]
+    assert outs["none"]["tau"] == 1.0 and outs["none"]["num_output_tokens"] <= 24
+    assert outs["ngram"]["drafter"] == "ngram" and outs["ngram"]["tau"] >= 1.0
+    assert set(outs["ngram"]) >= {"text", "accept_lengths", "conditional_acceptance", "tokens_per_second"}
+
+
+def test_generate_errors_name_the_problem(tiny_dir, capsys, tmp_path):
+    rc = main(["generate", "--target", tiny_dir, "--drafter", "eagle9", "--prompt", "hi"])
+    assert rc == 2 and "unknown drafter 'eagle9'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--prompt is empty"):
+        main(["generate", "--target", tiny_dir, "--prompt", "   "])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(SystemExit, match="holds no prompts"):
+        main(["generate", "--target", tiny_dir, "--prompt-file", str(empty)])
+    rc = main(["generate", "--target", str(tmp_path), "--prompt", "hi"])
+    assert rc == 2 and "neither 'embedded' nor a local Hugging Face model directory" in capsys.readouterr().err
+    rc = main(["generate", "--target", tiny_dir, "--prompt", "hi", "--policy", "stale"])
+    assert rc == 2 and "needs an SPS table" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_demo_prints_side_by_side_table(embedded_dir, capsys, tmp_path):
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--drafter", "ngram", "--limit", "2", "--max-new-tokens", "16", "--dtype", "fp32",
+               "--json-out", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "speedup" in table and "ngram" in table
+    rows = json.loads(out.read_text())
+    assert [r["drafter"] for r in rows] == ["none", "ngram"]
+    assert rows[0]["speedup"] == 1.0 and all(r["identical_to_plain"] for r in rows)
+    assert rows[0]["tokens"] == rows[1]["tokens"] == 32
