@@ -240,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     _optional(sub, "sglang_hspec.training.trainer")
     _optional(sub, "sglang_hspec.training.eval")
     _optional(sub, "sglang_hspec.calibration.cli")
-    _optional(sub, "sglang_hspec.scheduler.profiler")
+    from sglang_hspec.engine.profile import make_step_fn
+    from sglang_hspec.scheduler.profiler import add_parser as add_profile_sps
+
+    add_profile_sps(sub, step_fn_factory=make_step_fn)  # verify forwards of the reference engine's target
     _optional(sub, "sglang_hspec.scheduler.simulator")
     return parser
 
