@@ -100,19 +100,14 @@ class HSpecWorkerV2(DSparkWorkerV2):
         super().__init__(server_args, gpu_id, nccl_port, target_worker, **kwargs)
         if not self._hosts_draft:
             return
-        cfg = self.draft_model.hspec_config
-        req_pool_size = self.model_runner.req_to_token_pool.req_to_token.shape[0]
-        self._context = ContextState(
-            req_pool_size=req_pool_size, rank=cfg.fusion_rank, project=self.draft_model.project_context,
-            device=self.device, dtype=self.model_runner.dtype,
-        )
+        # The context state is sized by the request pool, which exists only at alloc_memory_pool.
+        self._context = None
         self._kv_injector = HSpecContextInjector(
             draft_model=self.draft_model, draft_model_runner=self.draft_model_runner,
-            model_runner=self.model_runner, state=self._context,
+            model_runner=self.model_runner, state=None,
         )
         self._verify_executor.__class__ = HSpecVerifyExecutor  # same state, H-Spec's commit
         self._verify_executor.kv_injector = self._kv_injector
-        self.draft_model.context_state = self._context
 
     # ---- memory: no drafter KV (§7) ----
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None,
@@ -131,8 +126,15 @@ class HSpecWorkerV2(DSparkWorkerV2):
         target_pool = self.model_runner.token_to_kv_pool
         # Before init_attention_backends: backends (and CUDA graphs) capture the pool they are built on.
         self.draft_model_runner.token_to_kv_pool = target_pool
-        self.draft_model.bind_target_kv(target_pool, self.model_runner.req_to_token_pool.req_to_token)
+        req_to_token = req_to_token_pool.req_to_token
+        self.draft_model.bind_target_kv(target_pool, req_to_token)
         cfg = self.draft_model.hspec_config
+        self._context = ContextState(
+            req_pool_size=req_to_token.shape[0], rank=cfg.fusion_rank, project=self.draft_model.project_context,
+            device=self.device, dtype=self.model_runner.dtype,
+        )
+        self._kv_injector.state = self._context
+        self.draft_model.context_state = self._context
         saved = drafter_kv_bytes_saved(
             max_total_tokens=memory_pool_config.max_total_num_tokens,
             num_attention_layers=cfg.num_attention_layers, num_kv_heads=cfg.target.num_key_value_heads,

@@ -225,12 +225,14 @@ def build_bigram_draft(out: Path, target_dir: Path, *, prompts: list[str] = PROM
     return _atomic_dir(out, build)
 
 
-def build_hspec_draft(out: Path, target_dir: Path, *, block_size: int = 3, seed: int = 2) -> Path:
+def build_hspec_draft(out: Path, target_dir: Path, *, block_size: int = 3, seed: int = 2, bigram: bool = False,
+                      strength: float = 30.0) -> Path:
     """A random-init H-Spec drafter for the tiny target, written by our own `save_drafter` (config.json +
     model.safetensors, exactly what the trainer writes) plus the target's tokenizer files. Hidden-state
     ids are all 0: SGLang captures the input of layer id + 1, so a 2-layer target offers layer 0 only;
     the attention layers read target KV layers 0 and 1. Draft vocabulary 999 of 1024 (ids outside it
-    must never be proposed)."""
+    must never be proposed). With `bigram`, the Markov head (rank V_d + 1, W1 = I) proposes the target's
+    own greedy bigrams (see build_bigram_draft), so acceptance through the whole HSPEC path is real."""
     from sglang_hspec.model.checkpoint import build_drafter, save_drafter
     from sglang_hspec.model.config import HSpecConfig
     from sglang_hspec.target.geometry import TargetGeometry
@@ -241,7 +243,8 @@ def build_hspec_draft(out: Path, target_dir: Path, *, block_size: int = 3, seed:
         cfg = HSpecConfig(target=geometry, target_layer_ids=(0,) * 5, kv_reuse_layer_ids=(0, 1, 1),
                           mask_token_id=VOCAB - 1, intermediate_size=256, block_size=block_size,
                           mamba_num_heads=4, mamba_head_dim=16, mamba_groups=2, fusion_rank=64,
-                          draft_vocab_size=999, markov_rank=16)
+                          draft_vocab_size=999, markov_rank=1000 if bigram else 16)
+        nxt = bigram_table(target_dir, PROMPTS) if bigram else None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = build_drafter("hspec", cfg, target.get_input_embeddings(), target.get_output_embeddings())
@@ -250,6 +253,14 @@ def build_hspec_draft(out: Path, target_dir: Path, *, block_size: int = 3, seed:
             # a draft vocabulary that is not a prefix: every 41st id is left out, the mask id kept
             keep = [i for i in range(VOCAB) if i % 41 != 5]
             model.set_draft_vocab(torch.tensor(keep))
+        if nxt is not None:
+            with torch.no_grad():
+                draft = model.to_draft_ids(torch.arange(VOCAB))  # V_d (W1's spare row) outside
+                model.markov.markov_w1.weight.copy_(torch.eye(1000))
+                w2 = torch.zeros(999, 1000)
+                inside = draft[nxt] < 999  # successors outside the draft vocabulary cannot be proposed
+                w2[draft[nxt][inside], draft[inside]] = strength
+                model.markov.markov_w2.weight.copy_(w2)
         save_drafter(model, tmp)
         for name in TOKENIZER_FILES:
             if (Path(target_dir) / name).exists():
