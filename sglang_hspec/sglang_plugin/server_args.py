@@ -56,6 +56,13 @@ def read_drafter_config(draft_path: str | Path) -> HSpecConfig:
             "'hspec' section (write drafters with sglang_hspec.model.checkpoint.save_drafter). For a stock "
             "DSpark draft use --speculative-algorithm DSPARK."
         )
+    if raw.get("model_type") not in (None, "llama", "qwen2", "qwen3"):
+        # SGLang parses the drafter's config.json with transformers' AutoConfig before our code runs
+        raise ValueError(
+            f"{draft_path!s}/config.json has model_type {raw.get('model_type')!r}, which transformers cannot "
+            "load; H-Spec drafters carry their target's model_type (llama/qwen2/qwen3). Rewrite it with "
+            "sglang_hspec.model.checkpoint.config_json (older save_drafter versions wrote 'hspec')"
+        )
     if raw.get("sample_from_anchor", True) is not True:
         # SGLang's DSpark runtime reads this flag: False means a gamma + 1 row block whose anchor row is
         # dropped (DFlash's slot j -> anchor + j), which silently drops acceptance to ~1 for our drafters.
@@ -124,6 +131,13 @@ def validate_server_args(server_args: Any) -> None:
     except ValueError as e:
         raise ValueError(f"HSPEC cannot serve target {server_args.model_path!s}: {e}") from e
     check_against_target(drafter, geometry)
+    last = geometry.num_hidden_layers - 1
+    if last in drafter.hidden_layer_ids:
+        raise ValueError(
+            f"the drafter reads target layer {last}'s output (target_layer_ids {list(drafter.target_layer_ids)}), "
+            f"which SGLang never captures (it captures the input of layer id + 1, and the target has "
+            f"{geometry.num_hidden_layers} layers); train the drafter with ids below {last}"
+        )
 
 
 def num_draft_tokens(drafter: HSpecConfig) -> int:

@@ -143,3 +143,43 @@ def test_drafter_for_another_target_is_rejected(ckpts, tmp_path):
     other = _write(tmp_path / "other", _target_config(num_key_value_heads=4))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         sa.validate_server_args(_args(ckpts, model_path=str(other)))
+
+
+def test_old_hspec_model_type_is_rejected_with_the_fix(ckpts, tmp_path):
+    cfg = json.loads((ckpts["draft"] / "config.json").read_text())
+    old = _write(tmp_path / "old_draft", {**cfg, "model_type": "hspec"})
+    with pytest.raises(ValueError, match="model_type 'hspec'.*config_json"):
+        sa.validate_server_args(_args(ckpts, speculative_draft_model_path=str(old)))
+
+
+def test_a_drafter_reading_the_last_layers_output_is_rejected(ckpts, tmp_path):
+    target = json.loads((ckpts["target"] / "config.json").read_text())
+    raw = _drafter_config(target)
+    raw["hspec"]["target_layer_ids"] = [0, 1, 2, 3, 5]  # 6-layer target: layer 5's output is never captured
+    bad = _write(tmp_path / "last_layer", raw)
+    with pytest.raises(ValueError, match="layer 5's output.*never captures.*ids below 5"):
+        sa.validate_server_args(_args(ckpts, speculative_draft_model_path=str(bad)))
+
+
+def test_save_drafter_config_is_served_as_written(ckpts, tmp_path):
+    """The trainer's checkpoint (save_drafter) passes HSPEC's checks as written, and transformers parses
+    its config.json as the target family's config (what SGLang's loader does first)."""
+    import torch
+    from transformers import AutoConfig
+
+    from sglang_hspec.model.checkpoint import build_drafter, save_drafter
+
+    target = json.loads((ckpts["target"] / "config.json").read_text())
+    cfg = HSpecConfig.from_dict(_drafter_config(target)["hspec"])
+    t = cfg.target
+    model = build_drafter("hspec", cfg, torch.nn.Embedding(t.vocab_size, t.hidden_size),
+                          torch.nn.Linear(t.hidden_size, t.vocab_size, bias=False))
+    out = save_drafter(model, tmp_path / "saved")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["model_type"] == "qwen3" and raw["sample_from_anchor"] is True
+    assert raw["architectures"] == ["HSpecDraftModel"] and raw["num_hidden_layers"] == 4
+    assert type(AutoConfig.from_pretrained(out)).__name__ == "Qwen3Config"
+    args = _args(ckpts, speculative_draft_model_path=str(out))
+    sa.validate_server_args(args)
+    sa.handle_server_args(args)
+    assert args.speculative_num_draft_tokens == 8
