@@ -267,3 +267,29 @@ def build_hspec_draft(out: Path, target_dir: Path, *, block_size: int = 3, seed:
                 shutil.copy(Path(target_dir) / name, tmp / name)
 
     return _atomic_dir(out, build)
+
+
+def build_exported_dspark_draft(out: Path, target_dir: Path, *, block_size: int = 3, seed: int = 3) -> Path:
+    """Our `dspark` baseline (random init, save_drafter, draft vocabulary 999 of 1024) exported to
+    SGLang's DSpark layout by sglang_hspec.sglang_plugin.export_dspark. Hidden-state ids (0, 0, 0, 0, 0):
+    the exporter folds the repeated fc columns into SGLang's single capture of layer 0."""
+    from sglang_hspec.model.checkpoint import build_drafter, save_drafter
+    from sglang_hspec.model.config import HSpecConfig
+    from sglang_hspec.sglang_plugin.export_dspark import export_dspark
+    from sglang_hspec.target.geometry import TargetGeometry
+
+    def build(tmp: Path) -> None:
+        target = load_target(target_dir)
+        cfg = HSpecConfig(target=TargetGeometry.from_hf_config(target.config), target_layer_ids=(0,) * 5,
+                          mask_token_id=VOCAB - 1, intermediate_size=256, block_size=block_size,
+                          mamba_num_heads=4, draft_vocab_size=999, markov_rank=16)  # kind dspark drops Mamba
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = build_drafter("dspark", cfg, target.get_input_embeddings(), target.get_output_embeddings())
+            torch.nn.init.normal_(model.markov.markov_w2.weight, std=0.5)
+            model.set_draft_vocab(torch.tensor([i for i in range(VOCAB) if i % 41 != 5]))
+        save_drafter(model, tmp / "ours")
+        export_dspark(tmp / "ours", tmp, tokenizer_from=target_dir)
+        shutil.rmtree(tmp / "ours")
+
+    return _atomic_dir(out, build)

@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
-    """Tiny Qwen3 target, random DSpark draft and bigram DSpark draft (built once per session)."""
+    """Tiny Qwen3 target, random, bigram and exported (ours -> SGLang layout) DSpark drafts (built once)."""
     from sglang_cpu import builders
 
     root = tmp_path_factory.mktemp("sglang_tiny")
@@ -39,6 +39,8 @@ def tiny_checkpoints(tmp_path_factory):
         "target": target,
         "dspark": builders.build_dspark_draft(root / "dspark", target),
         "bigram": builders.build_bigram_draft(root / "bigram", target),
+        # our dspark baseline exported to SGLang's DSpark layout (sglang_plugin/export_dspark.py)
+        "dspark_exported": builders.build_exported_dspark_draft(root / "dspark_exported", target),
     }
 
 

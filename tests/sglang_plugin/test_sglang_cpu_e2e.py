@@ -33,7 +33,7 @@ def test_nonspec_server_matches_hf(tiny_checkpoints, sglang_server, baseline_ids
     assert accept == [None] * len(ids)  # no speculation reported
 
 
-@pytest.mark.parametrize("draft,min_mean_accept", [("dspark", 1.0), ("bigram", 2.0)])
+@pytest.mark.parametrize("draft,min_mean_accept", [("dspark", 1.0), ("bigram", 2.0), ("dspark_exported", 1.0)])
 def test_dspark_greedy_equals_nonspec(tiny_checkpoints, sglang_server, baseline_ids, draft, min_mean_accept):
     from sglang_cpu import builders
 
