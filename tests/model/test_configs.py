@@ -15,7 +15,7 @@ CASES = {  # config -> (fixture, target layer ids, Mamba heads, fusion rank)
     "hspec-qwen3-4b": ("qwen3-4b", [1, 9, 17, 25, 34], 44, 2560),
     "hspec-qwen3-8b": ("qwen3-8b", [1, 9, 17, 25, 34], 48, 4096),
     "hspec-llama-3.1-8b-instruct": ("llama-3.1-8b-instruct", [1, 8, 15, 22, 30], 56, 4096),
-    "hspec-smollm2-135m-instruct": ("smollm2-135m-instruct", [1, 8, 15, 22, 29], 8, 576),
+    "hspec-smollm2-135m-instruct": ("smollm2-135m-instruct", [1, 8, 15, 22, 28], 8, 576),
 }
 
 
