@@ -3,7 +3,7 @@ export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: setup demo test lint
+.PHONY: setup setup-sglang demo test test-sglang lint
 setup:
 	bash scripts/setup.sh
 
@@ -15,3 +15,10 @@ test: setup
 
 lint: setup
 	.venv/bin/ruff check .
+
+setup-sglang:
+	bash scripts/setup_sglang.sh
+
+# SGLang plugin tier (real SGLang 0.5.23 servers on CPU through tests/sglang_cpu); ~10 min install once
+test-sglang: setup-sglang
+	.venv-sglang/bin/python -m pytest -q tests/sglang_plugin

