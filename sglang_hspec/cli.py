@@ -215,6 +215,20 @@ def add_bench_parser(sub) -> None:
         pass
 
 
+def add_export_dspark_parser(sub) -> None:
+    p = sub.add_parser("export-dspark", add_help=False,
+                       help="write a dspark baseline checkpoint in SGLang's DSpark layout (served by DSPARK)")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+
+    def run(args) -> int:
+        from sglang_hspec.sglang_plugin.export_dspark import main as export_main
+
+        export_main(args.argv)
+        return 0
+
+    p.set_defaults(func=run)
+
+
 # ---------------------------------------------------------------------------- wiring
 
 def _optional(sub, module: str, attr: str = "add_parser") -> None:
@@ -236,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_demo_parser(sub)
     add_bench_parser(sub)
+    add_export_dspark_parser(sub)
     _optional(sub, "sglang_hspec.training.data")
     _optional(sub, "sglang_hspec.training.trainer")
     _optional(sub, "sglang_hspec.training.eval")
@@ -249,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["export-dspark"]:  # its own parser owns every flag, --help included
+        from sglang_hspec.sglang_plugin.export_dspark import main as export_main
+
+        sys.argv[0] = "hspec export-dspark"
+        export_main(argv[1:])
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
