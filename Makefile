@@ -21,4 +21,4 @@ setup-sglang:
 
 # SGLang plugin tier (real SGLang 0.5.23 servers on CPU through tests/sglang_cpu); ~10 min install once
 test-sglang: setup-sglang
-	.venv-sglang/bin/python -m pytest -q tests/sglang_plugin
+	.venv-sglang/bin/python -m pytest -q tests/sglang_plugin tests/client/test_client_sglang_real.py

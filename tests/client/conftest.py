@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 from fake_sglang import Behaviour, FakeSGLangServer
 
@@ -15,19 +19,25 @@ def fake_server(behaviour: Behaviour):
         yield server
 
 
-@pytest.fixture
-def real_sglang_url(request: pytest.FixtureRequest) -> str:
-    """Base URL of the real SGLang server that the CPU tier's ``sglang_server`` fixture launches."""
+@pytest.fixture(scope="module")
+def real_sglang_url(tmp_path_factory: pytest.TempPathFactory):
+    """A real SGLang 0.5.23 server on CPU (the tests/sglang_cpu tier): the tiny Qwen3 target with a
+    speculative DSPARK bigram draft, float32, on a free loopback port; stopped after the module."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed in this interpreter: run with the SGLang environment "
+                    "(make test-sglang, or .venv-sglang/bin/python -m pytest tests/client -m sglang)")
+    tests_dir = Path(__file__).resolve().parents[1]
+    if str(tests_dir) not in sys.path:
+        sys.path.insert(0, str(tests_dir))
+    from sglang_cpu import builders
+    from sglang_cpu import server as cpu_server
+
+    root = tmp_path_factory.mktemp("client_real")
+    target = builders.build_tiny_target(root / "target")
+    draft = builders.build_bigram_draft(root / "bigram", target)
+    srv = cpu_server.launch(target, log_path=root / "server.log", plugins=(cpu_server.CPU_PLUGIN_ENTRY,),
+                            args=["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft)])
     try:
-        server = request.getfixturevalue("sglang_server")
-    except pytest.FixtureLookupError:
-        pytest.skip(
-            "needs the `sglang_server` fixture of the SGLang CPU tier (tests/sglang_cpu), which is not "
-            "available here; install the `sglang` extra and run with that tier's conftest loaded"
-        )
-    if isinstance(server, str):
-        return server
-    for attr in ("url", "base_url"):
-        if isinstance(getattr(server, attr, None), str):
-            return getattr(server, attr)
-    raise TypeError(f"sglang_server fixture gave {server!r}; expected a URL string or an object with .url")
+        yield srv.url
+    finally:
+        srv.stop()
