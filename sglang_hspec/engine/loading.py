@@ -54,5 +54,6 @@ def load_drafter_spec(spec: str, adapter: TargetAdapter, *, block_size: int | No
         )
     from sglang_hspec.model.checkpoint import load_drafter
 
+    # run the drafter in the target's compute dtype (a bf16 checkpoint on an fp32 AVX2 target is upcast)
     return load_drafter(path, adapter.geometry, adapter.embed_tokens, adapter.lm_head, block_size=block_size,
-                        device=adapter.device)
+                        device=adapter.device, dtype=adapter.dtype)
