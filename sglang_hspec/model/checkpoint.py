@@ -124,6 +124,19 @@ def check_against_target(cfg: HSpecConfig, target: TargetGeometry, block_size: i
                          "Load the drafter trained for this target (or retrain it).")
 
 
+def load_state_strict(model: nn.Module, state: dict[str, torch.Tensor], *, what: str) -> None:
+    """Load weights that must match the model exactly (names and shapes), cast to the model's dtypes."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{what} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"{what}: weight {name} has shape {tuple(t.shape)}, the model {tuple(expected[name].shape)}")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+
+
 def load_drafter(path: str | Path, target_geometry: TargetGeometry, embed: nn.Embedding, lm_head: nn.Linear,
                  *, block_size: int | None = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None) -> DraftModel:
@@ -144,16 +157,7 @@ def load_drafter(path: str | Path, target_geometry: TargetGeometry, embed: nn.Em
     state = load_file(str(path / "model.safetensors"))
     stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     model.to(dtype=dtype or stored)  # never round the stored weights through a narrower dtype
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{path}/model.safetensors does not fit a {cfg.kind} drafter: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    for name, t in state.items():
-        if t.shape != expected[name].shape:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(t.shape)} vs model {tuple(expected[name].shape)}")
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+    load_state_strict(model, state, what=f"{path}/model.safetensors ({cfg.kind} drafter)")
     if int(model.d2t.max()) >= target_geometry.vocab_size:
         raise ValueError(f"d2t: checkpoint maps to id {int(model.d2t.max())} vs target vocab_size "
                          f"{target_geometry.vocab_size}")

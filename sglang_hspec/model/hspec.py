@@ -241,11 +241,18 @@ class StateProjection(nn.Module):
         self.to_state = nn.Linear(cfg.fusion_rank, cfg.mamba_inner * cfg.mamba_state_dim, bias=False)
         self.shape = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_dim)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def fused(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, 5, d] -> the rank-r context row [N, r] (what a server keeps per request)."""
         hf = hidden.to(_compute_dtype(hidden.dtype))
         hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.to(hf.dtype)
-        s = self.to_state(self.fuse(hf.flatten(1).to(self.fuse.weight.dtype)))
-        return s.view(hidden.shape[0], *self.shape)
+        return self.fuse(hf.flatten(1).to(self.fuse.weight.dtype))
+
+    def state(self, fused: torch.Tensor) -> torch.Tensor:
+        """Context row [N, r] -> initial Mamba state [N, heads, head_dim, state_dim]."""
+        return self.to_state(fused.to(self.to_state.weight.dtype)).view(fused.shape[0], *self.shape)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.state(self.fused(hidden))
 
 
 class MarkovHead(nn.Module):
@@ -366,6 +373,12 @@ class DraftModel(nn.Module):
         x = self.embed(ids).to(self.norm.weight.dtype)
         positions = last_position[:, None] + 1 + torch.arange(k, device=x.device)
         state0 = self.initial_state(hidden_last, N, x) if cfg.uses_mamba else None
+        return self.run_layers(x, positions, state0, contexts)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, state0: torch.Tensor | None,
+                   contexts: dict[int, WindowKV]) -> torch.Tensor:
+        """The layer stack over block embeddings x [N, k, d] at absolute positions [N, k], from the initial
+        Mamba state; contexts: attention layer index -> its window (missing = block only). Normed output."""
         attn_index = 0
         for layer in self.layers:
             ctx = None

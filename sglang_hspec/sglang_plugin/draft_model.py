@@ -31,7 +31,7 @@ from sglang.srt.models.dspark import (
 from sglang.srt.speculative.dspark_components.dspark_config import get_dspark_sample_from_anchor
 from torch import nn
 
-from sglang_hspec.model.checkpoint import sglang_capture_ids
+from sglang_hspec.model.checkpoint import load_state_strict, sglang_capture_ids
 from sglang_hspec.model.config import HSpecConfig
 from sglang_hspec.model.hspec import DraftModel, gather_window
 
@@ -133,9 +133,7 @@ class HSpecDraftModel(nn.Module):
             return hidden.new_zeros(hidden.shape[0], self.hspec_config.fusion_rank)
         H = self.hspec_config.hidden_size
         rows = hidden.view(hidden.shape[0], -1, H).index_select(1, self._hidden_columns)  # [n, 5, H]
-        hf = rows.float() if rows.dtype != torch.float64 else rows
-        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + proj.eps) * proj.norm_weight.to(hf.dtype)
-        return proj.fuse(hf.flatten(1).to(proj.fuse.weight.dtype))
+        return proj.fused(rows)
 
     def bind_target_kv(self, target_pool, req_to_token: torch.Tensor) -> None:
         """Read attention context from the target's KV pool (called before the attention backends are
@@ -163,8 +161,7 @@ class HSpecDraftModel(nn.Module):
         state0 = None
         if self.hspec_config.uses_mamba:
             if d.state_proj is not None:
-                ctx = self.context_state.read(req).to(d.state_proj.to_state.weight.dtype)
-                state0 = d.state_proj.to_state(ctx).view(bs, *d.state_proj.shape)
+                state0 = d.state_proj.state(self.context_state.read(req))
             else:
                 state0 = d.initial_state(None, bs, x)
         contexts = {}
@@ -175,31 +172,12 @@ class HSpecDraftModel(nn.Module):
                                 req_to_token=self._req_to_token, req_pool_indices=req,
                                 prefix_lens=last + 1, window=window)
             contexts[i] = gather_window(view, last, d.window)
-        attn_index = 0
-        for layer in d.layers:
-            ctx_kv = None
-            if layer.attn is not None:
-                ctx_kv = contexts.get(attn_index)
-                attn_index += 1
-            x = layer(x, positions, d.inv_freq, state0, ctx_kv)
-        hidden = d.norm(x).reshape(bs * k, -1)
+        hidden = d.run_layers(x, positions, state0, contexts).reshape(bs * k, -1)
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
 
     # ---- weights: exactly save_drafter's model.safetensors ----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        d = self.drafter
-        state = dict(weights)
-        expected = d.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"the H-Spec drafter checkpoint does not fit its config.json: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]} (write it with save_drafter)")
-        for name, t in state.items():
-            if t.shape != expected[name].shape:
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(t.shape)} vs model "
-                                 f"{tuple(expected[name].shape)}")
-        d.load_state_dict({n: t.to(expected[n].dtype) for n, t in state.items()})
+        load_state_strict(self.drafter, dict(weights), what="the H-Spec drafter checkpoint (write it with save_drafter)")
         self._fill_sglang_heads()
 
     @torch.no_grad()
