@@ -7,7 +7,7 @@ SPS = 1 / median(per-step time over the repeats). The result is SGLang's `SpsCos
 
 CLI (`hspec profile-sps`, meanwhile `python -m sglang_hspec.scheduler.profiler`): the step function is
 named as MODULE:FACTORY, a callable `factory(max_batch_tokens=..., tokens_per_request=...)` returning
-`step_fn` (e.g. `scripts/sps_target_step.py:make_step_fn` for the reference engine's target).
+`step_fn` (e.g. `sglang_hspec.engine.profile:make_step_fn`, the reference engine's target, which `hspec profile-sps` uses by default).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def run_profile_sps(args: argparse.Namespace) -> int:
     elif getattr(args, "step_fn_factory", None) is not None:
         factory = args.step_fn_factory
     else:
-        raise SystemExit("profile-sps: give --step-fn MODULE:FACTORY (e.g. scripts/sps_target_step.py:make_step_fn)")
+        raise SystemExit("profile-sps: give --step-fn MODULE:FACTORY (e.g. sglang_hspec.engine.profile:make_step_fn)")
     max_bt = args.max_batch_tokens or max(args.batch_tokens)
     extra = dict(_factory_arg(a) for a in args.factory_arg)
     step_fn = factory(max_batch_tokens=max_bt, tokens_per_request=args.tokens_per_request, **extra)

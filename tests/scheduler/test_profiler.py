@@ -39,8 +39,8 @@ def test_profile_sps_rejects_bad_probes():
 
 def test_cli_on_tiny_target_writes_table_and_png(tmp_path):
     out = tmp_path / "sps.json"
-    rc = main(["--step-fn", "scripts/sps_target_step.py:make_step_fn", "--batch-tokens", "8,32",
-               "--warmup", "1", "--factory-arg", "context=16", "--repeats", "2", "--steps-per-repeat", "1", "--out", str(out)])
+    rc = main(["--step-fn", "sglang_hspec.engine.profile:make_step_fn", "--batch-tokens", "8,32",
+               "--warmup", "1", "--factory-arg", "target=tiny", "--factory-arg", "context=16", "--repeats", "2", "--steps-per-repeat", "1", "--out", str(out)])
     assert rc == 0
     table = load_sps_table(out)
     assert set(json.loads(out.read_text())) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
