@@ -112,7 +112,7 @@ def resolve_record_paths(data: str | os.PathLike | list[str | os.PathLike] | tup
         if os.path.isdir(pattern):
             matches = sorted(glob.glob(os.path.join(pattern, "*.pt")))
         else:
-            matches = sorted(glob.glob(pattern))
+            matches = sorted(glob.glob(pattern, recursive=True))  # "**" recurses, as users expect
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
             raise FileNotFoundError(
