@@ -35,3 +35,22 @@ def test_stop_string_and_eos_on_real_tokenizer(embedded_adapter_fp32):
     assert cut.finish_reason == "stop"
     assert stop in cut.text and len(cut.output_ids) < len(full.output_ids)
     assert full.output_ids[: len(cut.output_ids)] == cut.output_ids
+
+
+def test_shipped_hspec_drafter_is_lossless_and_accepts(embedded_adapter_fp32):
+    from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR, default_drafter_spec, load_drafter_spec
+
+    adapter = embedded_adapter_fp32
+    assert default_drafter_spec() == str(SHIPPED_DRAFTER_DIR)
+    drafter = load_drafter_spec("shipped", adapter)
+    assert drafter.name == "hspec" and drafter.block_size == 7
+    assert next(drafter.parameters()).dtype == adapter.dtype  # bf16 checkpoint runs in the target's dtype
+    items = load_prompts("mtbench", limit=3)
+    prompts = [chat_input_ids(adapter.tokenizer, it.messages(0)) for it in items]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    plain = SpeculativeEngine(adapter, NoDrafter()).generate(prompts, params)
+    spec = SpeculativeEngine(adapter, drafter).generate(prompts, params)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    steps = sum(r.stats.num_steps for r in spec)
+    tau = sum(sum(r.stats.accept_lengths) for r in spec) / steps
+    assert tau > 1.1  # a trained drafter: a random one stays at ~1.0
