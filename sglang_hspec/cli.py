@@ -16,7 +16,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None 
                    help="target dtype; auto = bf16 where it is native (GPU, AVX512-BF16/AMX CPU), else fp32")
     p.add_argument("--drafter", default=drafter_default,
                    help="none | ngram | shipped | a drafter checkpoint directory (default: the shipped H-Spec "
-                        "drafter when present, else ngram)")
+                        "drafter on the embedded target, else ngram)")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
     p.add_argument("--policy", default="fixed", choices=["fixed", "exact", "stale"],
                    help="verify-length policy: fixed = whole block; exact / stale = SPS-aware prefix scheduler")
@@ -48,7 +48,8 @@ def build_engine(args, adapter=None, drafter_spec: str | None = None):
     from sglang_hspec.engine.policies import make_policy
 
     adapter = adapter or load_target(args.target, dtype=args.dtype)
-    spec = drafter_spec or args.drafter or default_drafter_spec()
+    # the shipped drafter fits the embedded target only; other targets default to prompt lookup
+    spec = drafter_spec or args.drafter or (default_drafter_spec() if args.target == "embedded" else "ngram")
     drafter = load_drafter_spec(spec, adapter, block_size=args.block_size)
     policy, transform = make_policy(args.policy, block_size=drafter.block_size, sps_table=args.sps_table,
                                     sts=args.sts)

@@ -40,6 +40,10 @@ def test_generate_errors_name_the_problem(tiny_dir, capsys, tmp_path):
     assert rc == 2 and "neither 'embedded' nor a local Hugging Face model directory" in capsys.readouterr().err
     rc = main(["generate", "--target", tiny_dir, "--prompt", "hi", "--policy", "stale"])
     assert rc == 2 and "needs an SPS table" in capsys.readouterr().err
+    # the shipped drafter was built for SmolLM2: on another target the error names the fields and values
+    rc = main(["generate", "--target", tiny_dir, "--drafter", "shipped", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not match the target" in err and "num_hidden_layers: checkpoint 30 vs target 2" in err
 
 
 @pytest.mark.integration
