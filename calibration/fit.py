@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 
-from .metrics import batched_ece, expected_calibration_error
+from .metrics import batched_ece, expected_calibration_error, record_arrays
 from .records import ConfidenceRecords
 from .sts import StsCalibration
 
@@ -40,12 +40,7 @@ def fit_sts(
 
     A slot is fitted only if at least `min_samples` observed rows reached it (all earlier slots accepted);
     otherwise it keeps T = 1 with a warning. Per-slot ECE is NaN where no row observed the slot."""
-    logits = np.asarray(confidence_logits, dtype=np.float64)
-    labels = np.asarray(prefix_mask).astype(np.float64)
-    if logits.ndim != 2 or labels.shape != logits.shape:
-        raise ValueError(f"logits {logits.shape} and prefix_mask {labels.shape} must both be [n, gamma]")
-    if logits.shape[0] == 0:
-        raise ValueError("no records to fit; record some verify steps first")
+    logits, labels = record_arrays(confidence_logits, prefix_mask, name="logits", purpose="fit")
     if not np.isfinite(logits).all():
         raise ValueError("confidence logits hold NaN or inf; drop those rows before fitting")
     grid = default_temperature_grid() if grid is None else np.asarray(grid, dtype=np.float64).reshape(-1)

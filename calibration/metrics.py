@@ -19,6 +19,17 @@ from .sts import StsCalibration, calibrated_survival_np
 _EPS_PROB = 1e-8
 
 
+def record_arrays(values, prefix_mask, *, name: str, purpose: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, prefix_mask) as float64 [n, gamma] arrays, checked to match and be non-empty."""
+    values = np.asarray(values, dtype=np.float64)
+    labels = np.asarray(prefix_mask).astype(np.float64)
+    if values.ndim != 2 or values.shape != labels.shape:
+        raise ValueError(f"{name} {values.shape} and prefix_mask {labels.shape} must both be [n, gamma]")
+    if values.shape[0] == 0:
+        raise ValueError(f"no records to {purpose}; record some verify steps first")
+    return values, labels
+
+
 def _bin_index(probs: np.ndarray, num_bins: int) -> np.ndarray:
     clamped = np.clip(probs, _EPS_PROB, 1.0 - _EPS_PROB)
     return np.minimum((clamped * num_bins).astype(np.int64), num_bins - 1)
@@ -116,12 +127,7 @@ def survival_metrics(
     num_bins: int = 15,
 ) -> ConfidenceMetrics:
     """Metrics of cumulative survival [n, gamma] against prefix_mask [n, gamma] (observed slots only)."""
-    survival = np.asarray(survival, dtype=np.float64)
-    labels = np.asarray(prefix_mask).astype(np.float64)
-    if survival.ndim != 2 or survival.shape != labels.shape:
-        raise ValueError(f"survival {survival.shape} and prefix_mask {labels.shape} must both be [n, gamma]")
-    if survival.shape[0] == 0:
-        raise ValueError("no records to score; record some verify steps first")
+    survival, labels = record_arrays(survival, prefix_mask, name="survival", purpose="score")
     observed = np.ones(labels.shape, bool) if observed_mask is None else np.asarray(observed_mask, bool)
     per_slot: dict[str, list] = {k: [] for k in ("n", "ece", "auroc", "brier", "pred", "obs")}
     for slot in range(survival.shape[1]):
