@@ -22,9 +22,9 @@ def make_policy(name: str, *, block_size: int, sps_table: str | None = None,
     # per-slot sigmoid(z_j / T_j): the planners take the running product themselves
     transform = lambda logits: calibrated_confidence(confidence_logits=logits, temperatures=temperatures)
     if name == "fixed":
-        def fixed(*, confidences, proposal_lengths, row_ids, generations):
-            return proposal_lengths.clamp_max(block_size)
-        return fixed, transform
+        from sglang_hspec.engine.engine import full_block_policy
+
+        return full_block_policy(block_size=block_size), transform
     if name not in ("exact", "stale"):
         raise ValueError(f"unknown verify-length policy {name!r}; choose fixed, exact or stale")
     if sps_table is None:
