@@ -98,11 +98,16 @@ class TrainingSection(StrictModel):
     loss_chunk_rows: int = 2048
     device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)
     resume_from: str | None = None  # a checkpoint dir, or "auto" (latest in output_dir if any)
+    # stop (with a checkpoint) after this step of the max_steps schedule; resume_from=auto continues.
+    # Lets a CPU budget train in slices without changing the learning-rate schedule.
+    stop_after: int | None = None
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:
         if self.max_steps < 1 or self.grad_accum < 1:
             raise ValueError("training.max_steps and training.grad_accum must be >= 1")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.max_steps:
+            raise ValueError(f"training.stop_after must be in [1, max_steps={self.max_steps}], got {self.stop_after}")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"training.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.gamma_decay <= 0:

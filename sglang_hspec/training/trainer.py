@@ -193,8 +193,9 @@ def _load_examples(cfg: TrainConfig, tokenizer) -> list[dict[str, Any]]:
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    ckpts = sorted(Path(output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    ckpts = [c for c in ckpts if (c / STATE_FILE).is_file()]
+    # checkpoint-<step> only: a half-written checkpoint-<step>.tmp from a killed run is not a candidate
+    ckpts = [c for c in Path(output_dir).glob("checkpoint-*") if c.name.split("-", 1)[1].isdigit()]
+    ckpts = sorted((c for c in ckpts if (c / STATE_FILE).is_file()), key=lambda c: int(c.name.split("-", 1)[1]))
     return ckpts[-1] if ckpts else None
 
 
@@ -255,7 +256,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     # bf16 autocast only where bf16 is native: on AVX2-only CPUs it is ~50x slower than fp32
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16 and bf16_is_fast(device.type))
     result = TrainResult(drafter=drafter)
-    bar = tqdm(range(start, t.max_steps), desc=f"train {cfg.model.kind}", disable=not progress or rank != 0,
+    end = t.max_steps if t.stop_after is None else t.stop_after
+    bar = tqdm(range(start, end), desc=f"train {cfg.model.kind}", disable=not progress or rank != 0,
                initial=start, total=t.max_steps)
     for step in bar:
         # every micro-batch of this step (for this rank), with its anchors and masks
@@ -307,11 +309,11 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         )
         result.history.append(metrics)
         bar.set_postfix(loss=f"{metrics.loss:.4f}", tau=f"{metrics.tau_prob:.3f}", lr=f"{lr:.2e}")
-        if rank == 0 and (t.log_every and (step + 1) % t.log_every == 0 or step + 1 == t.max_steps):
+        if rank == 0 and (t.log_every and (step + 1) % t.log_every == 0 or step + 1 == end):
             Path(t.output_dir).mkdir(parents=True, exist_ok=True)
             with open(Path(t.output_dir) / "train_log.jsonl", "a") as f:
                 f.write(json.dumps(metrics.__dict__) + "\n")
-        if (t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.max_steps:
+        if (t.save_every and (step + 1) % t.save_every == 0) or step + 1 == end:
             if rank == 0:
                 result.checkpoints.append(str(save_checkpoint(cfg, drafter, opt, sched, step + 1)))
             if distributed:

@@ -70,6 +70,24 @@ def test_resume_gives_the_same_next_step_loss(tmp_path):
     assert auto.history == []  # checkpoint-4 is the latest: nothing left to do
 
 
+def test_stop_after_trains_a_slice_of_the_schedule_and_auto_resume_finishes_it(tmp_path):
+    over = SMALL + ["training.max_steps=4", f"training.output_dir={tmp_path}"]
+    full = train(load_config(TINY, SMALL + ["training.max_steps=4", f"training.output_dir={tmp_path / 'full'}"]),
+                 progress=False)
+    head = train(load_config(TINY, over + ["training.stop_after=3"]), progress=False)
+    assert [m.step for m in head.history] == [1, 2, 3]
+    assert head.checkpoints == [str(tmp_path / "checkpoint-3")]
+    assert [m.lr for m in head.history] == [m.lr for m in full.history[:3]]  # the 4-step schedule, not a 3-step one
+    tail = train(load_config(TINY, over + ["training.resume_from=auto"]), progress=False)
+    assert [m.step for m in tail.history] == [4]
+    assert tail.history[0].loss == full.history[3].loss
+
+
+def test_stop_after_outside_the_schedule_is_a_clear_error():
+    with pytest.raises(ValueError, match="stop_after must be in"):
+        load_config(TINY, SMALL + ["training.max_steps=4", "training.stop_after=5"])
+
+
 def test_block_size_mismatch_with_checkpoint_is_a_clear_error(tmp_path):
     ckpt = tmp_path / "checkpoint-7" / "drafter"
     ckpt.mkdir(parents=True)
