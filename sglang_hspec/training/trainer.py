@@ -258,7 +258,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     result = TrainResult(drafter=drafter)
     end = t.max_steps if t.stop_after is None else t.stop_after
     bar = tqdm(range(start, end), desc=f"train {cfg.model.kind}", disable=not progress or rank != 0,
-               initial=start, total=t.max_steps)
+               initial=start, total=end)
     for step in bar:
         # every micro-batch of this step (for this rank), with its anchors and masks
         micro = []
