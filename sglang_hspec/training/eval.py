@@ -128,62 +128,89 @@ def evaluate(*, adapter, drafter, prompts_by_dataset: dict[str, list], temperatu
              max_new_tokens: int, policy=None, confidence_transform=None, record_dir: str | None = None,
              seed: int = 0, progress: bool = True) -> dict:
     """Plain decoding vs speculation per prompt, interleaved, batch 1. Returns the JSON payload."""
+    return evaluate_many(adapter=adapter, drafters=[drafter], prompts_by_dataset=prompts_by_dataset,
+                         temperatures=temperatures, max_new_tokens=max_new_tokens, policies=[policy],
+                         confidence_transforms=[confidence_transform],
+                         record_dirs=[record_dir], seed=seed, progress=progress)[0]
+
+
+def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list], temperatures: list[float],
+                  max_new_tokens: int, policies: list | None = None, confidence_transforms: list | None = None,
+                  record_dirs: list[str | None] | None = None, seed: int = 0, progress: bool = True) -> list[dict]:
+    """Several drafters on the same prompts: each prompt is decoded plainly once, then by every drafter in
+    turn (batch 1), so all speedups share one plain baseline measured in the same run. One payload per
+    drafter, in the order given (the shape `evaluate` returns)."""
     from sglang_hspec.assets.prompts import chat_input_ids
     from sglang_hspec.calibration.records import ConfidenceRecorder
     from sglang_hspec.engine.drafters import NoDrafter
     from sglang_hspec.engine.engine import SpeculativeEngine
     from sglang_hspec.engine.types import SamplingParams
 
-    k = drafter.block_size
-    if record_dir is not None and getattr(drafter, "confidence", None) is None:
-        raise ValueError(f"--record-confidence needs a drafter with a confidence head (hspec, dspark); "
-                         f"{getattr(drafter, 'name', drafter)!r} has none")
+    n = len(drafters)
+    policies = policies or [None] * n
+    confidence_transforms = confidence_transforms or [None] * n
+    record_dirs = record_dirs or [None] * n
+    if not n == len(policies) == len(confidence_transforms) == len(record_dirs):
+        raise ValueError("evaluate_many: one policy, confidence transform and record dir per drafter")
+    for drafter, record_dir in zip(drafters, record_dirs):
+        if record_dir is not None and getattr(drafter, "confidence", None) is None:
+            raise ValueError(f"--record-confidence needs a drafter with a confidence head (hspec, dspark); "
+                             f"{getattr(drafter, 'name', drafter)!r} has none")
     tok = adapter.tokenizer
     if tok is None:
         raise ValueError("hspec eval needs the target's tokenizer (a target directory with tokenizer files)")
     encoded = {name: [chat_input_ids(tok, item.messages(0)) for item in items]
                for name, items in prompts_by_dataset.items()}
     plain_engine = SpeculativeEngine(adapter, NoDrafter())
-    summaries, requests, shards = [], [], []
+    summaries = [[] for _ in drafters]
+    requests = [[] for _ in drafters]
+    shards = [[] for _ in drafters]
     for temperature in temperatures:
         sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
         for name, items in prompts_by_dataset.items():
-            recorder = None
-            if record_dir is not None:
-                stem = Path(record_dir) / f"{_slug(name)}_t{temperature:g}"
-                recorder = ConfidenceRecorder(stem, gamma=k, meta={
-                    "drafter": drafter.name, "dataset": name, "temperature": temperature})
-            spec_engine = SpeculativeEngine(adapter, drafter, policy=policy, confidence_recorder=recorder,
-                                            confidence_transform=confidence_transform)
-            tally = _Tally(block_size=k)
+            recorders, engines, tallies = [], [], []
+            for drafter, policy, transform, record_dir in zip(drafters, policies, confidence_transforms,
+                                                              record_dirs):
+                recorder = None
+                if record_dir is not None:
+                    stem = Path(record_dir) / f"{_slug(name)}_t{temperature:g}"
+                    recorder = ConfidenceRecorder(stem, gamma=drafter.block_size, meta={
+                        "drafter": drafter.name, "dataset": name, "temperature": temperature})
+                recorders.append(recorder)
+                engines.append(SpeculativeEngine(adapter, drafter, policy=policy, confidence_recorder=recorder,
+                                                 confidence_transform=transform))
+                tallies.append(_Tally(block_size=drafter.block_size))
             bar = tqdm(list(zip(items, encoded[name])), desc=f"{name} T={temperature:g}", unit="prompt",
                        disable=not progress)
             for item, ids in bar:
                 t0 = time.perf_counter()
                 plain = plain_engine.generate([ids], sampling)[0]
-                t1 = time.perf_counter()
-                spec = spec_engine.generate([ids], sampling)[0]
-                t2 = time.perf_counter()
-                tally.add(plain, t1 - t0, spec, t2 - t1)
-                requests.append({"dataset": name, "id": item.id, "temperature": temperature,
-                                 "num_prompt_tokens": len(ids), "plain_output_tokens": len(plain.output_ids),
-                                 "plain_seconds": t1 - t0, "spec_seconds": t2 - t1,
-                                 "finish_reason": spec.finish_reason, "num_output_tokens": len(spec.output_ids),
-                                 **spec.stats.to_dict()})
-            if recorder is not None:
-                recorder.close()
-                shards.extend(str(p) for p in recorder.shard_paths)
-            summaries.append(tally.summary(name, temperature))
-    return {
+                plain_seconds = time.perf_counter() - t0
+                for i, engine in enumerate(engines):
+                    t1 = time.perf_counter()
+                    spec = engine.generate([ids], sampling)[0]
+                    spec_seconds = time.perf_counter() - t1
+                    tallies[i].add(plain, plain_seconds, spec, spec_seconds)
+                    requests[i].append({
+                        "dataset": name, "id": item.id, "temperature": temperature, "num_prompt_tokens": len(ids),
+                        "plain_output_tokens": len(plain.output_ids), "plain_seconds": plain_seconds,
+                        "spec_seconds": spec_seconds, "finish_reason": spec.finish_reason,
+                        "num_output_tokens": len(spec.output_ids), **spec.stats.to_dict()})
+            for i, recorder in enumerate(recorders):
+                if recorder is not None:
+                    recorder.close()
+                    shards[i].extend(str(p) for p in recorder.shard_paths)
+                summaries[i].append(tallies[i].summary(name, temperature))
+    return [{
         "drafter": drafter.name,
-        "block_size": k,
+        "block_size": drafter.block_size,
         "max_new_tokens": max_new_tokens,
         "temperatures": temperatures,
         "dtype": str(adapter.dtype).replace("torch.", ""),
-        "results": summaries,
-        "requests": requests,
-        "confidence_shards": shards,
-    }
+        "results": summaries[i],
+        "requests": requests[i],
+        "confidence_shards": shards[i],
+    } for i, drafter in enumerate(drafters)]
 
 
 def _slug(name: str) -> str:
@@ -245,6 +272,82 @@ def plot_histograms(payload: dict, path: str | Path) -> Path:
     return path
 
 
+def pooled_alpha(payload: dict, temperature: float) -> list[float | None]:
+    """alpha_j over every dataset at one temperature: kept / verified, summed before dividing."""
+    rows = [r for r in payload["results"] if r["temperature"] == temperature]
+    k = payload["block_size"]
+    kept = [sum(r["slot_accepts"][j] for r in rows) for j in range(k)]
+    tried = [sum(r["slot_attempts"][j] for r in rows) for j in range(k)]
+    return [a / n if n else None for a, n in zip(kept, tried)]
+
+
+def pooled_tau(payload: dict, temperature: float) -> float | None:
+    rows = [r for r in payload["results"] if r["temperature"] == temperature]
+    steps = sum(r["steps"] for r in rows)
+    return sum(r["tau"] * r["steps"] for r in rows if r["tau"] is not None) / steps if steps else None
+
+
+def comparison_table(payloads: list[dict], *, baseline: str = "dspark") -> str:
+    """tau (and speedup) per dataset and temperature, one column per drafter, plus each drafter's tau
+    relative to `baseline` where that drafter is among them (the paper reports H-Spec / DSpark)."""
+    names = [p["drafter"] for p in payloads]
+    base = names.index(baseline) if baseline in names else None
+    head = ["dataset", "T", *(f"tau {n}" for n in names), *(f"speedup {n}" for n in names)]
+    if base is not None:
+        head += [f"{n} / {baseline}" for i, n in enumerate(names) if i != base]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells_by_key = {}
+    for p in payloads:
+        for r in p["results"]:
+            cells_by_key.setdefault((r["dataset"], r["temperature"]), []).append(r)
+    temps = payloads[0]["temperatures"]
+    keys = [(d, t) for t in temps for d in dict.fromkeys(r["dataset"] for r in payloads[0]["results"])]
+    rows = [(d, t, [r["tau"] for r in cells_by_key[(d, t)]], [r["speedup"] for r in cells_by_key[(d, t)]])
+            for d, t in keys]
+    rows += [("all (pooled)", t, [pooled_tau(p, t) for p in payloads], [None] * len(payloads)) for t in temps]
+    for dataset, t, taus, speedups in rows:
+        cells = [dataset, f"{t:g}", *(_fmt(x) for x in taus),
+                 *("-" if x is None else f"{x:.2f}x" for x in speedups)]
+        if base is not None:
+            cells += [_fmt(taus[i] / taus[base], ".3f") if taus[i] and taus[base] else "-"
+                      for i in range(len(names)) if i != base]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_alpha(payloads: list[dict], path: str | Path, *, min_attempts: int = 10) -> Path:
+    """The paper's Fig. 4 analogue: per-position conditional acceptance alpha_j of every drafter, pooled
+    over the datasets, one panel per temperature. Positions verified fewer than `min_attempts` times are
+    left out (too few to estimate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = payloads[0]["temperatures"]
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 3.8), squeeze=False, sharey=True)
+    for ax, temperature in zip(axes[0], temps):
+        for p in payloads:
+            rows = [r for r in p["results"] if r["temperature"] == temperature]
+            tried = [sum(r["slot_attempts"][j] for r in rows) for j in range(p["block_size"])]
+            alpha = pooled_alpha(p, temperature)
+            xs = [j + 1 for j in range(p["block_size"]) if tried[j] >= min_attempts]
+            ax.plot(xs, [alpha[j - 1] for j in xs], marker="o",
+                    label=f"{p['drafter']} (tau {_fmt(pooled_tau(p, temperature))})")
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_xlabel("draft position j")
+        ax.set_xticks(range(1, payloads[0]["block_size"] + 1))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("alpha_j = P(j kept | j-1 kept)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def run_cli(args) -> int:
     from sglang_hspec.engine.loading import default_drafter_spec, load_drafter_spec, load_target
     from sglang_hspec.engine.policies import make_policy
@@ -254,31 +357,51 @@ def run_cli(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.alpha_plot and not args.compare:
+        raise ValueError("--alpha-plot compares drafters: add at least one --compare DRAFTER")
     prompts = load_eval_prompts(datasets=args.datasets, prompts_file=args.prompts, limit=args.limit)
     adapter = load_target(args.target, dtype=args.dtype)
-    spec = args.drafter or default_drafter_spec()
-    drafter = load_drafter_spec(spec, adapter, block_size=args.block_size)
-    if drafter.block_size < 1:
-        raise ValueError("--drafter none proposes nothing; evaluate ngram, shipped or a checkpoint directory")
-    policy, transform = make_policy(args.policy, block_size=drafter.block_size, sps_table=args.sps_table,
-                                    sts=args.sts)
-    payload = evaluate(adapter=adapter, drafter=drafter, prompts_by_dataset=prompts, temperatures=temperatures,
-                       max_new_tokens=args.max_new_tokens, policy=policy, confidence_transform=transform,
-                       record_dir=args.record_confidence, seed=args.seed, progress=not args.no_progress)
-    payload.update(target=args.target, drafter_spec=spec, policy=args.policy)
-    table = markdown_table(payload)
+    specs = [args.drafter or default_drafter_spec(), *(args.compare or [])]
+    drafters = [load_drafter_spec(spec, adapter, block_size=args.block_size) for spec in specs]
+    for spec, drafter in zip(specs, drafters):
+        if drafter.block_size < 1:
+            raise ValueError(f"--drafter/--compare {spec} proposes nothing; evaluate ngram, shipped or a "
+                             "checkpoint directory")
+    names = [d.name for d in drafters]
+    if len(set(names)) < len(names):
+        raise ValueError(f"compared drafters must differ in kind (their labels), got {names}")
+    made = [make_policy(args.policy, block_size=d.block_size, sps_table=args.sps_table, sts=args.sts)
+            for d in drafters]
+    record_dirs = [None] * len(drafters)
+    if args.record_confidence:  # one shard directory per drafter when comparing
+        record_dirs = [args.record_confidence if len(drafters) == 1 else str(Path(args.record_confidence) / n)
+                       if getattr(d, "confidence", None) is not None else None for n, d in zip(names, drafters)]
+    payloads = evaluate_many(adapter=adapter, drafters=drafters, prompts_by_dataset=prompts,
+                             temperatures=temperatures, max_new_tokens=args.max_new_tokens,
+                             policies=[m[0] for m in made], confidence_transforms=[m[1] for m in made],
+                             record_dirs=record_dirs, seed=args.seed, progress=not args.no_progress)
+    for spec, payload in zip(specs, payloads):
+        payload.update(target=args.target, drafter_spec=spec, policy=args.policy)
+    table = "\n".join(markdown_table(p) for p in payloads)
+    if len(payloads) > 1:
+        table += "\nComparison (same prompts, one plain baseline per prompt):\n\n" + comparison_table(payloads)
     print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        out = payloads[0] if len(payloads) == 1 else {"runs": payloads}
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(table)
     if args.plot:
-        plot_histograms(payload, args.plot)
-    if payload["confidence_shards"]:
-        print(f"wrote {len(payload['confidence_shards'])} confidence shard(s) under {args.record_confidence}",
-              file=sys.stderr)
+        for i, payload in enumerate(payloads):
+            path = Path(args.plot)
+            plot_histograms(payload, path if i == 0 else path.with_name(f"{path.stem}_{names[i]}{path.suffix}"))
+    if args.alpha_plot:
+        plot_alpha(payloads, args.alpha_plot)
+    shards = sum(len(p["confidence_shards"]) for p in payloads)
+    if shards:
+        print(f"wrote {shards} confidence shard(s) under {args.record_confidence}", file=sys.stderr)
     return 0
 
 
@@ -303,6 +426,11 @@ def add_parser(subparsers):
     p.add_argument("--record-confidence", default=None, metavar="DIR",
                    help="write confidence-record shards DIR/<dataset>_t<T>.<i>.pt "
                         "(for `hspec calibrate fit --data DIR`)")
+    p.add_argument("--compare", action="append", default=None, metavar="DRAFTER",
+                   help="repeatable: more drafters (checkpoint dirs, shipped, ngram) on the same prompts, "
+                        "sharing each prompt's plain baseline; adds a comparison table (tau relative to dspark)")
+    p.add_argument("--alpha-plot", default=None, metavar="PNG",
+                   help="with --compare: per-position acceptance alpha_j of every drafter (Fig. 4 analogue)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_cli)
     return p

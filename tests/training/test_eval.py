@@ -11,7 +11,7 @@ from sglang_hspec.assets.tiny import save_tiny_target, tiny_tokenizer
 from sglang_hspec.cli import main
 from sglang_hspec.model import HSpecConfig, build_drafter, save_drafter
 from sglang_hspec.target.geometry import TargetGeometry
-from sglang_hspec.training.eval import parse_temperatures
+from sglang_hspec.training.eval import parse_temperatures, pooled_tau
 
 PROMPTS = [
     {"id": "a1", "turns": ["def add(a, b):", "and now subtract"], "dataset": "code"},
@@ -37,6 +37,7 @@ def setup(tmp_path_factory):
     torch.manual_seed(0)
     drafter = build_drafter("hspec", cfg, target.model.embed_tokens, target.lm_head)
     save_drafter(drafter, root / "drafter")
+    save_drafter(build_drafter("dspark", cfg, target.model.embed_tokens, target.lm_head), root / "dspark")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     return root, target_dir
@@ -86,6 +87,32 @@ def test_eval_writes_consistent_json_markdown_png_and_records(setup):
         assert int(records.observed_mask.sum()) == sum(v for _, v in steps)
 
 
+def test_eval_compare_shares_prompts_and_reports_the_ratio_to_dspark(setup):
+    root, target_dir = setup
+    base = ["eval", "--target", str(target_dir), "--dtype", "fp32", "--prompts", str(root / "prompts.jsonl"),
+            "--limit", "2", "--max-new-tokens", "10", "--temperature", "0,1", "--no-progress"]
+    both, alpha_png, md = root / "both.json", root / "alpha.png", root / "both.md"
+    assert main([*base, "--drafter", str(root / "drafter"), "--compare", str(root / "dspark"), "--out", str(both),
+                 "--markdown", str(md), "--alpha-plot", str(alpha_png)]) == 0
+    runs = json.loads(both.read_text())["runs"]
+    assert [r["drafter"] for r in runs] == ["hspec", "dspark"]
+    # each drafter's numbers are what it gets evaluated alone (per-request seeds, deterministic target)
+    for name, run in zip(["drafter", "dspark"], runs):
+        alone = root / f"{name}_alone.json"
+        assert main([*base, "--drafter", str(root / name), "--out", str(alone)]) == 0
+        solo = json.loads(alone.read_text())
+        strip = ("plain_seconds", "spec_seconds", "prefill_seconds", "wall_seconds")
+        assert [{k: v for k, v in q.items() if k not in strip} for q in run["requests"]] == \
+               [{k: v for k, v in q.items() if k not in strip} for q in solo["requests"]]
+    table = md.read_text()
+    for t in (0.0, 1.0):
+        h, d = pooled_tau(runs[0], t), pooled_tau(runs[1], t)
+        steps = [q for q in runs[0]["requests"] if q["temperature"] == t]
+        assert h == pytest.approx(sum(sum(q["accept_lengths"]) for q in steps) / sum(q["num_steps"] for q in steps))
+        assert f"| all (pooled) | {t:g} | {h:.2f} | {d:.2f} | - | - | {h / d:.3f} |" in table
+    assert alpha_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_eval_bad_inputs(setup, capsys):
     root, target_dir = setup
     base = ["eval", "--target", str(target_dir), "--dtype", "fp32", "--prompts", str(root / "prompts.jsonl"),
@@ -96,6 +123,10 @@ def test_eval_bad_inputs(setup, capsys):
     assert "--temperature 'hot'" in capsys.readouterr().err
     assert main(["eval", "--prompts", str(root / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main([*base, "--drafter", "ngram", "--alpha-plot", str(root / "a.png")]) == 2
+    assert "--compare" in capsys.readouterr().err
+    assert main([*base, "--drafter", "ngram", "--compare", "ngram"]) == 2
+    assert "must differ in kind" in capsys.readouterr().err
 
 
 def test_parse_temperatures():
