@@ -14,6 +14,7 @@ overwritten), and a drafter reads any layer's post-RoPE keys in place through a 
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -111,6 +112,13 @@ class TargetFeatures:
     logits: torch.Tensor | None = None  # [B, T, V] float32 when requested
 
 
+def cache_kwarg(module: nn.Module) -> str:
+    """The name of `module.forward`'s KV-cache argument: `cache` from transformers 5.24 on (where
+    `past_key_values` is a deprecated alias), `past_key_values` before (SGLang 0.5.23's environment
+    has 5.19, which would silently drop `cache=` into **kwargs and run without the cache)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 class TargetAdapter:
     """A frozen Hugging Face causal LM (Llama / Qwen2 / Qwen3 families) for batches of sequences."""
 
@@ -130,6 +138,8 @@ class TargetAdapter:
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self.cache: RaggedKVCache | None = None
+        self._cache_kw = cache_kwarg(model)
+        self._base_cache_kw = cache_kwarg(model.model)
 
     @property
     def device(self) -> torch.device:
@@ -222,7 +232,7 @@ class TargetAdapter:
         try:
             with self._capture_hidden(hidden_layer_ids) as captured:
                 out = self.model(input_ids=tokens, attention_mask=mask[:, None], position_ids=positions,
-                                 cache=cache, use_cache=True)
+                                 use_cache=True, **{self._cache_kw: cache})
         finally:
             cache._rows = cache._write_index = None
         if commit:
@@ -277,7 +287,8 @@ class TargetAdapter:
             attention_mask = attention_mask.to(self.device)
         cache = DynamicCache(config=self.config)
         with self._capture_hidden(hidden_layer_ids) as captured:
-            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True)
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                                   **{self._base_cache_kw: cache})
         hidden = torch.stack([captured[int(i)] for i in hidden_layer_ids], dim=2) if len(hidden_layer_ids) else None
         kv = {int(i): (cache.layers[int(i)].keys, cache.layers[int(i)].values) for i in kv_layer_ids}
         final = out.last_hidden_state
