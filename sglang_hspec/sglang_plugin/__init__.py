@@ -50,8 +50,10 @@ def register() -> None:
         return
     check_sglang_version()
     from .algo import register_algorithm
+    from .hooks import install_hooks
 
     register_algorithm()
+    install_hooks()  # the target reserves no drafter KV (sglang-integration.md §12.1)
     _registered = True
     logger.info("sglang-hspec: speculative algorithm HSPEC registered")
 

@@ -75,6 +75,10 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def get(self, path: str, timeout: float = 60.0) -> dict | list:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.loads(r.read())
+
     def post(self, path: str, payload: dict, timeout: float = 300.0) -> dict | list:
         req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -115,15 +119,19 @@ def launch(
     plugins: tuple[str, ...] = (CPU_PLUGIN_ENTRY,),
     env_extra: dict[str, str] | None = None,
     dtype: str = "float32",
+    max_total_tokens: int | None = 4096,
     timeout: float = 300.0,
 ) -> Server:
     """Start `python -m sglang.launch_server` on a free loopback port and wait until it is ready.
+    `max_total_tokens=None` lets SGLang size the KV pool from its memory budget (on CPU: free host RAM,
+    or a fixed budget through the CPU plugin's SGLANG_CPU_TESTING_KV_BUDGET_MB).
     Raises RuntimeError with the log tail when it dies or does not come up in time."""
     port = free_port()
     cmd = [
         sglang_python(), "-m", "sglang.launch_server", "--model-path", str(model_path), "--device", "cpu",
-        "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096", "--skip-server-warmup",
-        "--disable-cuda-graph", "--dtype", dtype, *args,
+        "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup", "--disable-cuda-graph",
+        "--dtype", dtype,
+        *(["--max-total-tokens", str(max_total_tokens)] if max_total_tokens is not None else []), *args,
     ]
     env = cpu_env(plugins=plugins)
     env.update(env_extra or {})

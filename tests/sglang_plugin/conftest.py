@@ -47,15 +47,17 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture
 def sglang_server(tmp_path):
     """Factory: `sglang_server(model_path, args=[...])` starts a CPU server on a free loopback port and
-    waits until it is healthy; every server it started is stopped at teardown (process group SIGTERM,
-    then SIGKILL), and its log is printed on failure."""
+    waits until it is healthy (`max_total_tokens=None`: SGLang sizes the KV pool from its budget); every
+    server it started is stopped at teardown (process group SIGTERM, then SIGKILL), and its log is printed
+    on failure."""
     from sglang_cpu import server as cpu_server
 
     started = []
 
-    def launch(model_path, *, args=(), plugins=(cpu_server.CPU_PLUGIN_ENTRY,), env_extra=None, name="server"):
+    def launch(model_path, *, args=(), plugins=(cpu_server.CPU_PLUGIN_ENTRY,), env_extra=None, name="server",
+               max_total_tokens=4096):
         srv = cpu_server.launch(model_path, log_path=tmp_path / f"{name}.log", args=list(args),
-                                plugins=tuple(plugins), env_extra=env_extra)
+                                plugins=tuple(plugins), env_extra=env_extra, max_total_tokens=max_total_tokens)
         started.append(srv)
         return srv
 

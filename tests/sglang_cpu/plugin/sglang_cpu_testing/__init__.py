@@ -11,6 +11,9 @@ Fixes (numbers as in the reference):
 5. `Tensor.record_stream` rejects CPU streams: no-op for CPU tensors.
 6. DFlash attention's Triton table-QK-norm-RoPE: disabled on CPU (the `else` branch runs).
 7. The "torch" accept path still calls a Triton chain-sampling kernel: CPU inputs go to a torch port.
+8. (opt-in, `SGLANG_CPU_TESTING_KV_BUDGET_MB`) a fixed KV-pool byte budget. On CPU SGLang sizes the pool
+   from the host's free RAM, which other processes move between two launches; a fixed budget makes the
+   pool size a pure function of the configuration, so servers can be compared at the same budget.
 """
 
 from __future__ import annotations
@@ -93,6 +96,17 @@ def _chain_sampling_dispatch(original, *args, **kwargs):
     return chain_speculative_sampling_torch(*args, **kwargs)
 
 
+KV_BUDGET_ENV = "SGLANG_CPU_TESTING_KV_BUDGET_MB"
+
+
+def _fixed_kv_budget(original, self, *args, **kwargs):
+    # Stands in for SGLang's "free memory after weights - (1 - mem_fraction_static) slack" (fix 8).
+    budget_mb = os.environ.get(KV_BUDGET_ENV)
+    if not budget_mb:
+        return original(self, *args, **kwargs)
+    return int(float(budget_mb) * 2**20)
+
+
 def _patch_record_stream() -> None:
     import torch
 
@@ -137,6 +151,8 @@ def register() -> None:
         ("sglang.srt.models.dflash.DFlashAttention.__init__", _no_table_qk_norm_rope_on_cpu, HookType.AFTER),
         ("sglang.kernels.ops.speculative.reject_sampling.chain_speculative_sampling_triton",
          _chain_sampling_dispatch, HookType.AROUND),
+        ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
+         _fixed_kv_budget, HookType.AROUND),
     ]
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)
