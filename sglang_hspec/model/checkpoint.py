@@ -115,7 +115,7 @@ def check_against_target(cfg: HSpecConfig, target: TargetGeometry, block_size: i
         problems.append(("block_size", cfg.block_size, block_size))
     if cfg.mask_token_id >= target.vocab_size:
         problems.append(("mask_token_id", cfg.mask_token_id, f"< {target.vocab_size}"))
-    for i in (*cfg.target_layer_ids, *cfg.kv_reuse_layer_ids):
+    for i in sorted(set(cfg.target_layer_ids) | set(cfg.kv_reuse_layer_ids)):  # each out-of-range id once
         if i >= target.num_hidden_layers:
             problems.append(("target_layer_ids", i, f"< {target.num_hidden_layers}"))
     if problems:
