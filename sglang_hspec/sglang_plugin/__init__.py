@@ -48,6 +48,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from .server_args import register_launch_checks
+
+    register_launch_checks()  # first: a launch with HSPEC reports a wrong version itself (server_args.py)
     check_sglang_version()
     from .algo import register_algorithm
     from .hooks import install_hooks

@@ -5,6 +5,11 @@ resolving view and declares plain attribute writes (`sglang/srt/arg_groups/overr
 `record_foreign_defaults`), so both read and write `server_args.x` directly. The drafter checkpoint's
 `config.json` (`hspec` section, see sglang_hspec/model/checkpoint.py) is the single source of truth for
 the block size: the verify window is block size + 1 draft tokens (the anchor plus the block).
+
+`launch_checks` runs all of it (and the SGLang version check) as a resolution hook around SGLang's
+`handle_speculative_decoding` step, before SGLang opens the drafter's config.json itself: a missing
+drafter path, a drafter for another target or a wrong SGLang release then stops the launcher within
+seconds with our message, not with a transformers hub error or "Unknown speculative algorithm".
 """
 
 from __future__ import annotations
@@ -29,14 +34,24 @@ _MLA_FIELDS = ("kv_lora_rank", "index_topk")
 _HYBRID_SWA_FIELDS = ("sliding_window_pattern", "interleaved_sliding_window")
 
 
+def _looks_local(path: str) -> bool:
+    # hub ids are "name" or "namespace/name"; anything else with a path shape is meant as a local path
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path
+
+
 def _config_json(path: str | Path, what: str) -> dict[str, Any]:
     """config.json of a local checkpoint dir, or of a hub id already in the local HF cache."""
-    p = Path(path)
+    p = Path(path).expanduser()
     if p.is_dir():
         f = p / "config.json"
         if not f.is_file():
             raise ValueError(f"{what} {path!s} has no config.json; pass a checkpoint directory")
         return json.loads(f.read_text())
+    if p.exists():
+        raise ValueError(f"{what} {path!s} is a file; pass the checkpoint directory that holds config.json")
+    if _looks_local(str(path)):
+        raise ValueError(f"{what} {path!s} does not exist (neither a local checkpoint directory nor a cached "
+                         "hub model); pass an existing checkpoint directory (config.json and model.safetensors)")
     try:
         from huggingface_hub import hf_hub_download
 
@@ -130,7 +145,13 @@ def validate_server_args(server_args: Any) -> None:
         geometry = target_geometry(raw)
     except ValueError as e:
         raise ValueError(f"HSPEC cannot serve target {server_args.model_path!s}: {e}") from e
-    check_against_target(drafter, geometry)
+    try:
+        check_against_target(drafter, geometry)
+    except ValueError as e:
+        raise ValueError(
+            f"the HSPEC drafter {server_args.speculative_draft_model_path!s} was built for another target than "
+            f"--model-path {server_args.model_path!s}: {e}"
+        ) from None
     last = geometry.num_hidden_layers - 1
     if last in drafter.hidden_layer_ids:
         raise ValueError(
@@ -171,3 +192,42 @@ def handle_server_args(server_args: Any) -> None:
     if getattr(server_args, "enable_mixed_chunk", False):
         logger.warning("HSPEC does not support mixed chunked prefill (v1); disabling --enable-mixed-chunk")
     server_args.enable_mixed_chunk = False
+
+
+# SGLang's resolution step that resolves --speculative-algorithm (an overridable step in 0.5.23's
+# sglang/srt/arg_groups/resolution_hooks.py); the first thing in it opens the drafter's config.json.
+RESOLUTION_STEP = "handle_speculative_decoding"
+_launch_checks_registered = False
+
+
+def launch_checks(server_args: Any, previous) -> None:
+    """Resolution hook around SGLang's `handle_speculative_decoding`: for HSPEC, check the SGLang version
+    and every HSPEC server argument (`validate_server_args`) before SGLang's own handling, in the launcher
+    (or `sgl.Engine`), before any process starts. SGLang validates again through the registered
+    validator; both only read."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    view = resolving_view(server_args)
+    if str(getattr(view, "speculative_algorithm", None) or "").upper() == ALGORITHM:
+        from . import check_sglang_version
+
+        check_sglang_version()  # with another release register() failed: say why here, where HSPEC is asked for
+        validate_server_args(view)
+    previous(server_args)
+
+
+def register_launch_checks() -> None:
+    """Install `launch_checks` (idempotent). Called by `register()` before its version check, so a wrong
+    SGLang release is reported at the HSPEC launch itself. Another release may lack the hook API: then
+    SGLang's plugin loader logs register()'s version error and nothing more can be done."""
+    global _launch_checks_registered
+    if _launch_checks_registered:
+        return
+    try:
+        from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+        register_resolution_hook(RESOLUTION_STEP)(launch_checks)
+    except Exception as e:  # noqa: BLE001 - best effort; register() reports the version problem itself
+        logger.debug("HSPEC launch checks not installed: %s", e)
+        return
+    _launch_checks_registered = True
