@@ -259,7 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sglang_hspec.engine.profile import make_step_fn
     from sglang_hspec.scheduler.profiler import add_parser as add_profile_sps
 
-    add_profile_sps(sub, step_fn_factory=make_step_fn)  # verify forwards of the reference engine's target
+    profile_sps = add_profile_sps(sub, step_fn_factory=make_step_fn)  # the reference engine's verify forwards
+    from sglang_hspec.sglang_plugin.sps_profile import add_server_arguments
+
+    add_server_arguments(profile_sps)  # --url: a running SGLang server (HSPEC or DSPARK), SGLang's profiler
     _optional(sub, "sglang_hspec.scheduler.simulator")
     return parser
 

@@ -57,6 +57,9 @@ def register() -> None:
 
     register_algorithm()
     install_hooks()  # the target reserves no drafter KV (sglang-integration.md §12.1)
+    from .sps_hooks import install as install_sps_hooks
+
+    install_sps_hooks()  # SGLang's SPS profiler accepts HSPEC where it is imported (sps_hooks.py)
     _registered = True
     logger.info("sglang-hspec: speculative algorithm HSPEC registered")
 

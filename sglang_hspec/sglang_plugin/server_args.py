@@ -192,6 +192,9 @@ def handle_server_args(server_args: Any) -> None:
     if getattr(server_args, "enable_mixed_chunk", False):
         logger.warning("HSPEC does not support mixed chunked prefill (v1); disabling --enable-mixed-chunk")
     server_args.enable_mixed_chunk = False
+    from .sps_cache import resolve_sps_table
+
+    resolve_sps_table(server_args, verify_tokens=window)  # given table, cached auto-profile, or a WARNING
 
 
 # SGLang's resolution step that resolves --speculative-algorithm (an overridable step in 0.5.23's

@@ -1,0 +1,243 @@
+"""Which SPS table an HSPEC server uses, and the per-machine cache of auto-profiled tables.
+
+`resolve_sps_table` runs in the launcher from `handle_server_args`, before any server process starts:
+
+- `--speculative-dspark-sps-table-path` given: it is checked with our strict loader and used;
+- none, and `HSPEC_AUTO_PROFILE_SPS=1`: the table cached for (device name, target model, drafter, TP size,
+  dtype) under `$HSPEC_CACHE_DIR/sps` (default `~/.cache/sglang-hspec/sps`) is used; when there is none,
+  a short-lived profiling server with the same arguments is measured once with SGLang's own profiler
+  (`sps_profile.profile_with_server`), the table is cached and used;
+- none and no auto-profile: a WARNING says that every request verifies its full block and how to get a
+  table. Never silent.
+
+The table reaches SGLang's planner as `speculative_dspark_sps_table_path` (a declared server-argument write).
+No SGLang import here: the key and path logic is unit-tested anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+AUTO_PROFILE_ENV = "HSPEC_AUTO_PROFILE_SPS"
+BATCH_SIZES_ENV = "HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES"  # e.g. "1,2,4,8"; default: up to the server's capacity
+STEADY_STEPS_ENV = "HSPEC_AUTO_PROFILE_SPS_STEADY_STEPS"
+STEADY_SECONDS_ENV = "HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS"
+# Set in the profiling server's environment: it must neither profile itself nor warn about its missing table.
+PROFILING_SERVER_ENV = "HSPEC_SPS_PROFILING_SERVER"
+RAGGED_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
+SCHEDULED_MODES = ("compact", "cap-accept")  # SGLang's modes whose planner reads the SPS table
+CACHE_SUBDIR = "sps"
+_TRUE = {"1", "true", "yes", "on"}
+
+# What a user runs by hand; printed in the warnings.
+PROFILE_COMMAND = (
+    "launch the server once with SGLANG_RAGGED_VERIFY_MODE=static SGLANG_DSPARK_ENABLE_SPS_RECORD=1 "
+    "SGLANG_SIMULATE_ACC_LEN=1.0, run `hspec profile-sps --url http://HOST:PORT --out sps.json`, then "
+    "serve with --speculative-dspark-sps-table-path sps.json"
+)
+
+
+def env_flag(name: str, environ: dict[str, str] | None = None) -> bool:
+    value = (os.environ if environ is None else environ).get(name, "")
+    return value.strip().lower() in _TRUE
+
+
+def sps_cache_dir() -> Path:
+    """`$HSPEC_CACHE_DIR/sps`, else `~/.cache/sglang-hspec/sps`."""
+    from sglang_hspec.assets.embedded import default_cache_dir
+
+    return default_cache_dir() / CACHE_SUBDIR
+
+
+def model_identity(path: str | os.PathLike | None) -> str:
+    """A local checkpoint by its absolute path, a hub id as given."""
+    if path is None:
+        return ""
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else str(path)
+
+
+def _cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_name(device: str | None, gpu_id: int = 0) -> str:
+    """The accelerator's marketing name (`NVIDIA H200`), or `cpu <model name>` on CPU."""
+    kind = (device or "").split(":")[0]
+    if kind in ("", "cuda"):
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.get_device_name(int(gpu_id or 0))
+        except Exception as exc:  # a broken driver must not stop the server: the key just says so
+            logger.debug("no CUDA device name (%s)", exc)
+        if kind == "cuda":
+            return "cuda unknown"
+    if kind in ("", "cpu"):
+        return f"cpu {_cpu_model_name()}"
+    return kind
+
+
+@dataclass(frozen=True)
+class SpsCacheKey:
+    """What a measured SPS table depends on. The step time includes the drafter's forward, so the
+    drafter is part of the model."""
+
+    device_name: str
+    model: str
+    draft_model: str
+    tp_size: int
+    dtype: str
+
+    @classmethod
+    def from_server_args(cls, server_args: Any) -> SpsCacheKey:
+        get = lambda name, default=None: getattr(server_args, name, default)  # noqa: E731
+        return cls(
+            device_name=device_name(get("device"), get("base_gpu_id", 0) or 0),
+            model=model_identity(get("model_path")),
+            draft_model=model_identity(get("speculative_draft_model_path")),
+            tp_size=int(get("tp_size", 1) or 1),
+            dtype=str(get("dtype", "auto") or "auto"),
+        )
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+    def file_name(self) -> str:
+        """`<device>__<model>__tp<N>__<dtype>-<hash12>.json`: readable, and unique by the full key."""
+        def slug(text: str) -> str:
+            return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")[:40] or "x"
+
+        model = Path(self.model.rstrip("/")).name or self.model
+        return (f"{slug(self.device_name)}__{slug(model)}__tp{self.tp_size}__{slug(self.dtype)}"
+                f"-{self.digest()[:12]}.json")
+
+
+def table_path_for(key: SpsCacheKey, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the table for `key` lives (a sidecar `<name>.key.json` records the key in full)."""
+    return (Path(cache_dir) if cache_dir is not None else sps_cache_dir()) / key.file_name()
+
+
+def key_sidecar(table_path: Path) -> Path:
+    return table_path.with_name(table_path.stem + ".key.json")
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{name}={text!r}: expected comma-separated request counts >= 1, e.g. 1,2,4,8")
+    return values
+
+
+def auto_profile_settings(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The auto-profile's small grid: keyword arguments for `sps_profile.profile_server`."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {"min_steady_steps": 16, "min_steady_seconds": 2.0}
+    if env.get(BATCH_SIZES_ENV, "").strip():
+        out["batch_sizes"] = _int_list(env[BATCH_SIZES_ENV], BATCH_SIZES_ENV)
+    for name, field, cast in ((STEADY_STEPS_ENV, "min_steady_steps", int),
+                              (STEADY_SECONDS_ENV, "min_steady_seconds", float)):
+        if env.get(name, "").strip():
+            try:
+                out[field] = cast(env[name])
+            except ValueError as e:
+                raise ValueError(f"{name}={env[name]!r} is not a number") from e
+            if out[field] < 0:
+                raise ValueError(f"{name} must be >= 0, got {env[name]}")
+    return out
+
+
+def no_table_warning(*, mode: str, verify_tokens: int | None, auto_profile: bool) -> str:
+    block = f"its full block of {verify_tokens - 1} draft tokens" if verify_tokens else "its full draft block"
+    if mode not in SCHEDULED_MODES:
+        why = (f"{RAGGED_MODE_ENV}={mode}: every request verifies {block} (fixed k); the SPS table only "
+               f"feeds the prefix scheduler of {RAGGED_MODE_ENV}=compact (or cap-accept).")
+        if auto_profile:
+            return (f"HSPEC: {why} {AUTO_PROFILE_ENV}=1 is ignored in {mode} mode. To schedule per-request "
+                    f"verify lengths, serve with {RAGGED_MODE_ENV}=compact.")
+        return (f"HSPEC: {why} To schedule per-request verify lengths, serve with {RAGGED_MODE_ENV}=compact "
+                f"and an SPS table: set {AUTO_PROFILE_ENV}=1 (profiled once, cached under {sps_cache_dir()}), "
+                f"or {PROFILE_COMMAND}.")
+    return (f"HSPEC: no SPS table (--speculative-dspark-sps-table-path): the verify planner sees a flat cost "
+            f"curve, so every request verifies {block} (fixed k) and the prefix scheduler gains nothing. Get "
+            f"a table: set {AUTO_PROFILE_ENV}=1 (profiled once at startup, cached under {sps_cache_dir()}), "
+            f"or {PROFILE_COMMAND}.")
+
+
+def _check_table(path: str | os.PathLike) -> None:
+    from sglang_hspec.scheduler import load_sps_table
+
+    table = load_sps_table(path)  # ValueError naming the field and the fix
+    if table.uninitialised:
+        raise ValueError(f"SPS table {path} is SGLang's one-probe placeholder (a flat curve): the planner "
+                         "would verify every block in full; profile a real table (hspec profile-sps --url)")
+
+
+def resolve_sps_table(server_args: Any, *, verify_tokens: int | None = None,
+                      environ: dict[str, str] | None = None) -> Path | None:
+    """Decide the server's SPS table (module docstring); sets `server_args.speculative_dspark_sps_table_path`
+    when a cached or freshly profiled table is used. Returns the table path, or None."""
+    env = os.environ if environ is None else environ
+    given = getattr(server_args, "speculative_dspark_sps_table_path", None)
+    if given:
+        _check_table(given)
+        logger.info("HSPEC: SPS table %s (--speculative-dspark-sps-table-path)", given)
+        return Path(given)
+    if env_flag(PROFILING_SERVER_ENV, env):
+        return None  # this is the auto-profile's own measuring server
+    mode = env.get(RAGGED_MODE_ENV, "static").strip() or "static"
+    auto = env_flag(AUTO_PROFILE_ENV, env)
+    if not auto or mode not in SCHEDULED_MODES:
+        logger.warning(no_table_warning(mode=mode, verify_tokens=verify_tokens, auto_profile=auto))
+        return None
+    key = SpsCacheKey.from_server_args(server_args)
+    path = table_path_for(key)
+    if path.is_file():
+        try:
+            _check_table(path)
+        except ValueError as e:
+            logger.warning("HSPEC: cached SPS table %s is unusable (%s); profiling a new one", path, e)
+        else:
+            logger.info("HSPEC: reusing cached SPS table %s (%s)", path, key)
+            server_args.speculative_dspark_sps_table_path = str(path)
+            return path
+    from .sps_profile import profile_with_server  # imports SGLang's profiler: only when we must measure
+
+    logger.warning("HSPEC: %s=1 and no cached SPS table for %s: profiling once with a short-lived server "
+                   "(this start takes longer; later starts reuse %s)", AUTO_PROFILE_ENV, key, path)
+    try:
+        profile_with_server(out=path, settings=auto_profile_settings(env))
+    except Exception as e:  # the server still starts, without a table, and says so
+        logger.error("HSPEC: SPS auto-profile failed (%s). %s", e,
+                     no_table_warning(mode=mode, verify_tokens=verify_tokens, auto_profile=False))
+        return None
+    key_sidecar(path).write_text(json.dumps(asdict(key), indent=2) + "\n")
+    logger.info("HSPEC: profiled SPS table cached at %s", path)
+    server_args.speculative_dspark_sps_table_path = str(path)
+    return path
+
+
+__all__ = [
+    "AUTO_PROFILE_ENV", "SpsCacheKey", "auto_profile_settings", "device_name", "model_identity",
+    "no_table_warning", "resolve_sps_table", "sps_cache_dir", "table_path_for",
+]

@@ -1,0 +1,158 @@
+"""SPS tables for HSPEC servers, end to end on CPU (tiny Qwen3 target, tiny H-Spec drafter, block 3 so 4
+verify tokens per request): `hspec profile-sps --url` measures a running HSPEC server with SGLang's own
+profiler and writes a table the server then serves with; the opt-in auto-profile measures once, caches
+the table and reuses it; without a table the server says that it verifies full blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = [pytest.mark.sglang]
+
+HSPEC_PLUGINS = ("sglang_cpu_testing", "hspec")
+VERIFY_TOKENS = 4  # the drafter's block 3 + the anchor
+GRID = "1,2"  # running-request counts: probes at 4 and 8 batch tokens
+QUICK = ["--min-steady-steps", "4", "--min-steady-seconds", "0"]
+
+
+@pytest.fixture(scope="module")
+def hspec_draft(tiny_checkpoints, tmp_path_factory):
+    from sglang_cpu import builders
+
+    return builders.build_hspec_draft(tmp_path_factory.mktemp("sps_draft") / "hspec", tiny_checkpoints["target"])
+
+
+def _hspec_args(draft, *extra):
+    return ["--speculative-algorithm", "HSPEC", "--speculative-draft-model-path", str(draft), *extra]
+
+
+def _check_table(path: Path):
+    from sglang_hspec.scheduler import load_sps_table
+
+    table = load_sps_table(path)  # our strict loader: SGLang's exact layout
+    assert table.sample_batch_tokens == [1 * VERIFY_TOKENS, 2 * VERIFY_TOKENS]
+    assert all(s > 0 for s in table.sample_steps_per_sec)
+    assert table.max_batch_tokens == 48 * VERIFY_TOKENS  # HSPEC's 48 running requests x 4 verify tokens
+    return table
+
+
+@pytest.mark.slow
+def test_profile_sps_url_writes_a_table_the_server_accepts(tiny_checkpoints, hspec_draft, sglang_server, tmp_path):
+    from sglang_cpu import builders
+    from sglang_cpu.server import sglang_python
+
+    from sglang_hspec.sglang_plugin.sps_profile import PROFILING_SERVER_ENVIRONMENT
+
+    target = tiny_checkpoints["target"]
+    srv = sglang_server(target, name="hspec_profiled", plugins=HSPEC_PLUGINS, args=_hspec_args(hspec_draft),
+                        env_extra=PROFILING_SERVER_ENVIRONMENT)
+    # no table, no auto-profile: the launcher says so (static: every request verifies its full block)
+    assert ("SGLANG_RAGGED_VERIFY_MODE=static: every request verifies its full block of 3 draft tokens "
+            "(fixed k)") in srv.log()
+
+    out = tmp_path / "sps" / "hspec.json"
+    t0 = time.monotonic()
+    run = subprocess.run(
+        [sglang_python(), "-m", "sglang_hspec.cli", "profile-sps", "--url", srv.url, "--batch-size", GRID, *QUICK,
+         "--out", str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    print(f"profile-sps --url: {time.monotonic() - t0:.0f} s")
+    _check_table(out)
+    rounds = [json.loads(line) for line in out.with_name("hspec.rounds.jsonl").read_text().splitlines()]
+    assert [r["batch_size"] for r in rounds] == [1, 2]
+    assert all(r["num_steady_steps"] >= 4 and r["match_fraction"] == 1.0 for r in rounds)
+    assert json.loads(out.with_name("hspec.json.manifest.json").read_text())["verify_num_draft_tokens"] == 4
+    assert out.with_suffix(".png").is_file()
+    srv.stop()
+
+    served = sglang_server(target, name="hspec_with_table", plugins=HSPEC_PLUGINS,
+                           args=_hspec_args(hspec_draft, "--speculative-dspark-sps-table-path", str(out)),
+                           env_extra={"SGLANG_RAGGED_VERIFY_MODE": "compact"})
+    log = served.log()
+    assert f"HSPEC: SPS table {out} (--speculative-dspark-sps-table-path)" in log
+    assert f"mode=compact, lag=2, relay_lag=2, sps_table={out}" in log  # SGLang's planner loaded it
+    assert "verifies its full block" not in log
+    prompts = builders.PROMPTS[:2]
+    assert [o["output_ids"] for o in served.generate(prompts, 16)] == builders.hf_greedy(target, prompts, 16)
+
+
+@pytest.mark.slow
+def test_auto_profile_caches_the_table_and_reuses_it(tiny_checkpoints, hspec_draft, tmp_path):
+    from sglang_cpu import server as cpu_server
+
+    from sglang_hspec.sglang_plugin.sps_cache import SpsCacheKey, key_sidecar, table_path_for
+
+    target = tiny_checkpoints["target"]
+    cache = tmp_path / "cache"
+    env = {"SGLANG_RAGGED_VERIFY_MODE": "compact", "HSPEC_AUTO_PROFILE_SPS": "1", "HSPEC_CACHE_DIR": str(cache),
+           "HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES": GRID, "HSPEC_AUTO_PROFILE_SPS_STEADY_STEPS": "4",
+           "HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS": "0"}
+    key = SpsCacheKey.from_server_args(SimpleNamespace(
+        model_path=str(target), speculative_draft_model_path=str(hspec_draft), tp_size=1, dtype="float32",
+        device="cpu"))
+    path = table_path_for(key, cache / "sps")
+
+    def start(name):
+        srv = cpu_server.launch(target, log_path=tmp_path / f"{name}.log", args=_hspec_args(hspec_draft),
+                                plugins=HSPEC_PLUGINS, env_extra=env, timeout=900)
+        print(f"{name}: ready in {time.monotonic() - srv.started_s:.0f} s")
+        try:
+            assert len(srv.generate(["Hello"], 4)[0]["output_ids"]) == 4
+        finally:
+            srv.stop()
+        return srv.log()
+
+    first = start("auto_first")
+    assert "no cached SPS table" in first and f"profiled SPS table cached at {path}" in first
+    assert f"sps_table={path}" in first  # the planner of this very start uses it
+    _check_table(path)
+    assert json.loads(key_sidecar(path).read_text())["model"] == str(Path(target).resolve())
+    assert "verifies its full block" not in path.with_name(path.stem + ".server.log").read_text()
+    stamp = os.stat(path).st_mtime_ns
+
+    second = start("auto_second")
+    assert f"HSPEC: reusing cached SPS table {path}" in second and "no cached SPS table" not in second
+    assert f"sps_table={path}" in second
+    assert os.stat(path).st_mtime_ns == stamp  # not profiled again
+    assert sorted(p.name for p in path.parent.glob("*.json") if not p.name.endswith((".key.json", ".manifest.json"))) \
+        == [path.name]
+
+
+@pytest.mark.slow
+def test_hooks_make_sglang_profiler_accept_hspec(monkeypatch):
+    """Inside SGLang's real profiler: `fetch_server_context` refuses an HSPEC CPU server as shipped and
+    accepts it with the hooks, reading the same records payload."""
+    from sglang_hspec.sglang_plugin import sps_hooks
+
+    prof = sps_hooks.apply()
+    info = {"speculative_algorithm": "HSPEC", "device": "cpu", "disable_cuda_graph": True, "tp_size": 1,
+            "tokenizer_path": "/tok",
+            "internal_states": [{"dp_size": 1, "effective_max_running_requests_per_dp": 48,
+                                 "cuda_graph_config": {"decode": {"bs": [1, 2, 4]}},
+                                 "dspark_info_record": {"mode": "static", "components": ["core", "step_cpu_time"],
+                                                        "simulate_acc_len": 1.0, "verify_num_draft_tokens": 4,
+                                                        "records": []}}]}
+
+    class Response:
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return json.loads(json.dumps(info))
+
+    monkeypatch.setattr(prof, "requests", SimpleNamespace(get=lambda url, timeout: Response()))
+    with pytest.raises(ValueError, match="Profile against a DSpark server"):
+        prof.fetch_server_context.__wrapped__(base_url="http://x", local_tokenizer_path=None)
+    context = prof.fetch_server_context(base_url="http://x", local_tokenizer_path=None)
+    assert (context.verify_num_draft_tokens, context.cuda_graph_max_bs, context.tokenizer_path) == (4, 4, "/tok")
+    assert isinstance(prof.requests, SimpleNamespace)  # the module's `requests` is restored after the call
+    assert sys.modules[sps_hooks.PROFILER_MODULE] is prof

@@ -1,0 +1,42 @@
+"""What the HookRegistry hooks change in SGLang's SPS profiler, as pure functions (no SGLang needed);
+test_sglang_sps_profile.py runs them inside the real profiler."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from sglang_hspec.sglang_plugin import sps_hooks
+
+
+def test_hspec_reads_as_dspark_and_nothing_else_changes():
+    info = {"speculative_algorithm": "HSPEC", "device": "cuda", "disable_cuda_graph": True, "tp_size": 2}
+    seen = sps_hooks.server_info_for_profiler(info)
+    assert seen == {**info, "speculative_algorithm": "DSPARK"}  # a GPU server without graphs is still refused
+    assert info["speculative_algorithm"] == "HSPEC"  # the caller's dict is not modified
+    for algorithm in ("DSPARK", "EAGLE", None):  # other algorithms are judged by SGLang as before
+        assert sps_hooks.server_info_for_profiler({"speculative_algorithm": algorithm}) == {
+            "speculative_algorithm": algorithm}
+
+
+def test_a_cpu_server_needs_no_cuda_graphs():
+    seen = sps_hooks.server_info_for_profiler({"speculative_algorithm": "HSPEC", "device": "cpu",
+                                               "disable_cuda_graph": True})
+    assert seen["disable_cuda_graph"] is False and seen["speculative_algorithm"] == "DSPARK"
+
+
+def test_prompt_ids_fit_small_vocabularies():
+    assert sps_hooks.prompt_id_range(151936, 1000, 1000) == (1000, 1000)  # SGLang's own range
+    assert sps_hooks.prompt_id_range(2001, 1000, 1000) == (1000, 1000)  # ids [1000, 1001): still one id
+    assert sps_hooks.prompt_id_range(2000, 1000, 1000) == (250, 250)  # SGLang's range would be empty
+    assert sps_hooks.prompt_id_range(1024, 1000, 1000) == (128, 128)  # the tiny test target
+    with pytest.raises(ValueError, match="vocab_size=4"):
+        sps_hooks.prompt_id_range(4, 1000, 1000)
+
+
+@pytest.mark.skipif(sps_hooks.PROFILER_MODULE in sys.modules, reason="SGLang's profiler already imported")
+def test_install_registers_nothing_where_the_profiler_is_not_imported():
+    # server processes call register() -> install(): they must not import the ~10 s profiler module
+    assert sps_hooks.install() is False
+    assert sps_hooks.PROFILER_MODULE not in sys.modules
