@@ -10,8 +10,11 @@ setup:
 demo: setup
 	.venv/bin/hspec demo
 
+# The whole suite: the main environment, then the SGLang tier in its own environment (sglang pins
+# torch 2.14.1). Plugin tests skip in .venv (no sglang there) and run in .venv-sglang.
 test: setup
 	.venv/bin/python -m pytest -q
+	$(MAKE) --no-print-directory test-sglang
 
 lint: setup
 	.venv/bin/ruff check .
@@ -19,6 +22,7 @@ lint: setup
 setup-sglang:
 	bash scripts/setup_sglang.sh
 
-# SGLang plugin tier (real SGLang 0.5.23 servers on CPU through tests/sglang_cpu); ~10 min install once
+# SGLang plugin tier (real SGLang 0.5.23 servers on CPU through tests/sglang_cpu); ~10 min install once.
+# Part of `make test` (the Quick start's test command).
 test-sglang: setup-sglang
 	.venv-sglang/bin/python -m pytest -q tests/sglang_plugin tests/client/test_client_sglang_real.py
