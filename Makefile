@@ -23,6 +23,9 @@ setup-sglang:
 	bash scripts/setup_sglang.sh
 
 # SGLang plugin tier (real SGLang 0.5.23 servers on CPU through tests/sglang_cpu); ~10 min install once.
-# Part of `make test` (the Quick start's test command).
+# Part of `make test` (the Quick start's test command). First, ~15 s: the target adapter and drafter
+# tests under the transformers that SGLang pins (5.19; .venv has a newer one), which exercise
+# sglang_hspec/target/hf_compat.py, the layer that hands the HF model its KV cache in either release.
 test-sglang: setup-sglang
+	.venv-sglang/bin/python -m pytest -q -m "not slow" tests/target tests/model
 	.venv-sglang/bin/python -m pytest -q tests/sglang_plugin tests/client/test_client_sglang_real.py

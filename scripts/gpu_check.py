@@ -52,18 +52,16 @@ def ssd_case(scan, b, L, h, p, n, g, chunk, dtype):
 
 
 def drafter_case(dtype, device="cuda"):
-    from transformers import DynamicCache
-
     from sglang_hspec.assets.tiny import tiny_target
     from sglang_hspec.model import HSpecConfig, build_drafter
     from sglang_hspec.target.geometry import TargetGeometry
+    from sglang_hspec.target.hf_compat import forward_with_kv
 
     target = tiny_target("qwen3", seed=0, dtype=torch.float64, hidden_size=256, num_layers=6, num_heads=8,
                          num_kv_heads=2, head_dim=32, vocab_size=512, intermediate_size=512)
     ids = torch.randint(4, 512, (4, 96), generator=torch.Generator().manual_seed(0))
-    cache = DynamicCache()
-    with torch.no_grad():
-        out = target(ids, cache=cache, output_hidden_states=True, use_cache=True)
+    with torch.no_grad():  # the machine's transformers may name the cache argument either way
+        out, kv = forward_with_kv(target, kv_layer_ids=range(6), input_ids=ids, output_hidden_states=True)
     cfg = HSpecConfig(target=TargetGeometry.from_hf_config(target.config), target_layer_ids=(0, 1, 2, 3, 5),
                       mask_token_id=3, intermediate_size=512, mamba_num_heads=8, draft_vocab_size=400,
                       markov_rank=32, sliding_window=48)
@@ -76,7 +74,7 @@ def drafter_case(dtype, device="cuda"):
     def feats(dev, dt):
         f = Feats()
         f.hidden = torch.stack(out.hidden_states[1:], 2)[:, :, list(cfg.target_layer_ids)].to(dev, dt)
-        f.kv = {i: (cache.layers[i].keys.to(dev, dt), cache.layers[i].values.to(dev, dt)) for i in range(6)}
+        f.kv = {i: (k.to(dev, dt), v.to(dev, dt)) for i, (k, v) in kv.items()}
         return f
 
     anchors = torch.tensor([[5, 30, 60, 88]] * 4)

