@@ -35,8 +35,10 @@ def test_prompt_ids_fit_small_vocabularies():
         sps_hooks.prompt_id_range(4, 1000, 1000)
 
 
-@pytest.mark.skipif(sps_hooks.PROFILER_MODULE in sys.modules, reason="SGLang's profiler already imported")
-def test_install_registers_nothing_where_the_profiler_is_not_imported():
-    # server processes call register() -> install(): they must not import the ~10 s profiler module
+def test_install_registers_nothing_where_the_profiler_is_not_imported(monkeypatch):
+    # server processes call register() -> install(): they must not import the ~10 s profiler module.
+    # Other tests of the session may have imported and installed it: look like a fresh process.
+    monkeypatch.setattr(sps_hooks, "_installed", False)
+    monkeypatch.delitem(sys.modules, sps_hooks.PROFILER_MODULE, raising=False)
     assert sps_hooks.install() is False
     assert sps_hooks.PROFILER_MODULE not in sys.modules
