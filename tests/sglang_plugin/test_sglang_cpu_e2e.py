@@ -33,7 +33,8 @@ def test_nonspec_server_matches_hf(tiny_checkpoints, sglang_server, baseline_ids
     assert accept == [None] * len(ids)  # no speculation reported
 
 
-@pytest.mark.parametrize("draft,min_mean_accept", [("dspark", 1.0), ("bigram", 2.0), ("dspark_exported", 1.0)])
+# The randomly initialised "dspark" draft adds nothing the bigram one does not check (one server less).
+@pytest.mark.parametrize("draft,min_mean_accept", [("bigram", 2.0), ("dspark_exported", 1.0)])
 def test_dspark_greedy_equals_nonspec(tiny_checkpoints, sglang_server, baseline_ids, draft, min_mean_accept):
     from sglang_cpu import builders
 
@@ -60,9 +61,9 @@ def hspec_drafts(tiny_checkpoints, tmp_path_factory):
             "hspec_bigram": builders.build_hspec_draft(root / "hspec_bigram", target, bigram=True)}
 
 
-@pytest.mark.parametrize("draft,mode,min_mean_accept", [
-    ("hspec", "static", 1.0), ("hspec_bigram", "static", 2.0), ("hspec_bigram", "compact", 2.0),
-])
+# Static mode with the bigram drafter is test_sglang_serving.py's server (16 prompts, overlap on and off) and
+# compact mode is test_sglang_planner.py's (with SPS and STS files); here the random-weight drafter.
+@pytest.mark.parametrize("draft,mode,min_mean_accept", [("hspec", "static", 1.0)])
 def test_hspec_greedy_equals_nonspec(tiny_checkpoints, hspec_drafts, sglang_server, baseline_ids, draft, mode,
                                      min_mean_accept):
     """`--speculative-algorithm HSPEC` with an H-Spec checkpoint: the drafter reads the target's KV pool
