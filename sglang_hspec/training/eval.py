@@ -239,6 +239,17 @@ def markdown_table(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save_figure(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_histograms(payload: dict, path: str | Path) -> Path:
     """One panel per temperature: the share of verify steps committing 1..k+1 tokens, a bar per dataset."""
     import matplotlib
@@ -264,12 +275,7 @@ def plot_histograms(payload: dict, path: str | Path) -> Path:
         ax.set_xticks(lengths)
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("share of verify steps")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path)
 
 
 def pooled_alpha(payload: dict, temperature: float) -> list[float | None]:
@@ -340,12 +346,7 @@ def plot_alpha(payloads: list[dict], path: str | Path, *, min_attempts: int = 10
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("alpha_j = P(j kept | j-1 kept)")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path)
 
 
 def run_cli(args) -> int:
