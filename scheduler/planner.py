@@ -15,11 +15,16 @@ plain Python loops that the tests hold the torch versions to.
 - stale (production): the budget K is the argmax of Theta over all prefixes of survivals two steps old
   (no early stop needed: old confidences cannot leak this step's tokens); the lengths are the top-K of
   this step's survivals.
+
+`min_survival` (argmax_budget / topk_lengths and their references; DSpark's `survival_eps`, 1e-6 in
+SGLang): candidates with a lower survival (or NaN) are never admitted, neither counted in the Theta
+curve nor verified. The SGLang plugin passes SGLang's value (sglang_plugin/planner_hooks.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -57,14 +62,26 @@ def candidate_order(*, survival: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def theta_curve(*, sorted_survival: torch.Tensor, num_reqs: int, sps: SpsCurve) -> torch.Tensor:
-    """Theta(n) for n = 0..M admitted candidates, float64 [M + 1]."""
+    """Theta(n) for n = 0..M admitted candidates, float64 [M + 1] (tau summed in float64 whatever
+    the survivals' dtype)."""
+    sorted_survival = sorted_survival.to(torch.float64)
     tau = torch.cat([sorted_survival.new_zeros(1), torch.cumsum(sorted_survival, 0)]).add_(num_reqs)
     sps_values = sps.steps_per_sec_range(start=num_reqs, count=sorted_survival.numel() + 1, num_reqs=num_reqs)
     return tau.mul_(sps_values.to(tau.device))
 
 
-def _lengths_from_order(*, order: torch.Tensor, budget: int, num_reqs: int) -> torch.Tensor:
-    return torch.bincount(order[:budget] % num_reqs, minlength=num_reqs)
+def _lengths_from_order(
+    *, order: torch.Tensor, budget: int, num_reqs: int, admitted: torch.Tensor | None = None
+) -> torch.Tensor:
+    # scatter_add, not bincount: bincount on CUDA reads the max index back to the host (a sync).
+    rows = order[:budget] % num_reqs
+    counts = torch.ones_like(rows) if admitted is None else admitted[:budget].to(rows.dtype)
+    return torch.zeros(num_reqs, dtype=torch.long, device=order.device).scatter_add_(0, rows, counts)
+
+
+def _below_to_neg_inf(survival: torch.Tensor, min_survival: float) -> torch.Tensor:
+    """Candidates under `min_survival` (and NaN) become -inf: last in the order, never admitted."""
+    return torch.where(survival >= min_survival, survival, survival.new_full((), float("-inf")))
 
 
 def exact_lengths(*, confidences: torch.Tensor, sps: SpsCurve) -> tuple[torch.Tensor, int]:
@@ -81,22 +98,41 @@ def exact_lengths(*, confidences: torch.Tensor, sps: SpsCurve) -> tuple[torch.Te
     return _lengths_from_order(order=order, budget=budget, num_reqs=num_reqs), budget
 
 
-def argmax_budget(*, survival: torch.Tensor, sps: SpsCurve) -> int:
-    """The n maximising Theta over every prefix of the sorted survivals (first maximum on ties)."""
+class BudgetChoice(NamedTuple):
+    budget: int  # admitted draft tokens n (batch tokens N + n)
+    theta: float  # Theta(n) = tau* x SPS(N + n)
+    steps_per_sec: float  # SPS(N + n)
+
+
+def budget_choice(*, survival: torch.Tensor, sps: SpsCurve, min_survival: float = 0.0) -> BudgetChoice:
+    """The n maximising Theta over every prefix of the sorted survivals (first maximum on ties),
+    with Theta and SPS there. Host-side: reads the argmax back."""
     num_reqs = survival.shape[0]
+    values, _ = candidate_order(survival=_below_to_neg_inf(survival, min_survival))
+    values = values[: int(torch.count_nonzero(values != float("-inf")))]
+    theta = theta_curve(sorted_survival=values, num_reqs=num_reqs, sps=sps)
+    n = int(torch.argmax(theta))
+    steps = sps.steps_per_sec_range(start=num_reqs + n, count=1, num_reqs=num_reqs)
+    return BudgetChoice(budget=n, theta=float(theta[n]), steps_per_sec=float(steps[0]))
+
+
+def argmax_budget(*, survival: torch.Tensor, sps: SpsCurve, min_survival: float = 0.0) -> int:
+    """The n maximising Theta over every prefix of the sorted survivals (first maximum on ties)."""
     if survival.numel() == 0:
         return 0
-    values, _ = candidate_order(survival=survival)
-    return int(torch.argmax(theta_curve(sorted_survival=values, num_reqs=num_reqs, sps=sps)))
+    return budget_choice(survival=survival, sps=sps, min_survival=min_survival).budget
 
 
-def topk_lengths(*, survival: torch.Tensor, budget: int) -> torch.Tensor:
-    """Per-request lengths when the `budget` best candidates (shared order) are verified."""
+def topk_lengths(*, survival: torch.Tensor, budget: int, min_survival: float = 0.0) -> torch.Tensor:
+    """Per-request lengths when the `budget` best candidates (shared order) are verified. No host
+    read-back: runs on the survivals' device without a sync (`budget` is a host int)."""
     num_reqs = survival.shape[0]
     if survival.numel() == 0 or budget <= 0:
         return torch.zeros(num_reqs, dtype=torch.long, device=survival.device)
-    _, order = candidate_order(survival=survival)
-    return _lengths_from_order(order=order, budget=min(budget, order.numel()), num_reqs=num_reqs)
+    values, order = candidate_order(survival=_below_to_neg_inf(survival, min_survival))
+    take = min(budget, order.numel())
+    return _lengths_from_order(order=order, budget=take, num_reqs=num_reqs,
+                               admitted=values[:take] != float("-inf"))
 
 
 def threshold_lengths(*, confidences: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -141,10 +177,18 @@ def exact_lengths_reference(
     return lengths, admitted
 
 
-def argmax_budget_reference(*, survival: Sequence[Sequence[float]], sps: SpsFn) -> int:
+def _admissible(survival: Sequence[Sequence[float]], min_survival: float) -> list[tuple[int, int, float]]:
+    kept = [[a if a >= min_survival else None for a in row] for row in survival]  # NaN fails >= too
+    cands = [(r, j, a) for r, row in enumerate(kept) for j, a in enumerate(row) if a is not None]
+    return sorted(cands, key=lambda c: (-c[2], c[1], c[0]))
+
+
+def argmax_budget_reference(
+    *, survival: Sequence[Sequence[float]], sps: SpsFn, min_survival: float = 0.0
+) -> int:
     num_reqs = len(survival)
     tau, best_n, best_theta = float(num_reqs), 0, float(num_reqs) * sps(num_reqs, num_reqs)
-    for n, (_r, _j, a) in enumerate(candidate_order_reference(survival=survival), start=1):
+    for n, (_r, _j, a) in enumerate(_admissible(survival, min_survival), start=1):
         tau += a
         theta = tau * sps(num_reqs + n, num_reqs)
         if theta > best_theta:
@@ -152,8 +196,10 @@ def argmax_budget_reference(*, survival: Sequence[Sequence[float]], sps: SpsFn) 
     return best_n
 
 
-def topk_lengths_reference(*, survival: Sequence[Sequence[float]], budget: int) -> list[int]:
+def topk_lengths_reference(
+    *, survival: Sequence[Sequence[float]], budget: int, min_survival: float = 0.0
+) -> list[int]:
     lengths = [0] * len(survival)
-    for r, _j, _a in candidate_order_reference(survival=survival)[: max(budget, 0)]:
+    for r, _j, _a in _admissible(survival, min_survival)[: max(budget, 0)]:
         lengths[r] += 1
     return lengths

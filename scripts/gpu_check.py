@@ -4,6 +4,8 @@
    mamba2.md §8: outputs, final state and gradients of x, dt, A, B, C, D, dt_bias, initial_states.
 2. Whole H-Spec drafter (teacher-forced forward over many anchors): same weights on CPU float64 and on
    CUDA (Triton scan + fused SDPA): logits, confidence logits and parameter gradients.
+3. Planner: `topk_lengths` (an HSPEC server's per-request verify lengths, sglang_plugin/planner_hooks.py)
+   on CUDA gives the CPU's lengths without a host synchronisation (torch.cuda sync debug mode "error").
 Writes gpu_check.json under --out; exit status 1 when a check exceeds its tolerance, 0 when it passes
 or when CUDA is absent (reported as skipped)."""
 
@@ -96,6 +98,33 @@ def drafter_case(dtype, device="cuda"):
             "triton_scan_used": gpu_scan() is not None}
 
 
+def planner_case(device="cuda"):
+    from sglang_hspec.scheduler import planner
+
+    gen = torch.Generator().manual_seed(0)
+    mismatches = cases = 0
+    for n in (1, 7, 48, 256):
+        for k in (3, 7):
+            conf = torch.rand(n, k, generator=gen)
+            conf[torch.rand(n, k, generator=gen) < 0.2] = 0.5  # exact ties
+            conf[torch.rand(n, k, generator=gen) < 0.05] = 1e-7  # under SGLang's survival_eps
+            surv = torch.cumprod(conf, 1)
+            dev = surv.to(device)
+            for budget in (0, 1, n, n * k // 2, n * k + 3):
+                want = planner.topk_lengths(survival=surv, budget=budget, min_survival=1e-6)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")  # any host read-back raises
+                try:
+                    got = planner.topk_lengths(survival=dev, budget=budget, min_survival=1e-6)
+                finally:
+                    if device == "cuda":
+                        torch.cuda.set_sync_debug_mode(0)
+                mismatches += int(not torch.equal(got.cpu(), want))
+                cases += 1
+    return {"fp32_topk_mismatched_cases": float(mismatches), "cases": cases}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_check_out"))
@@ -133,6 +162,11 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             report["checks"][f"drafter_{dtype}"] = r = {"error": repr(e)}
         print(f"drafter_{dtype}", r, flush=True)
+    try:
+        report["checks"]["planner_topk_fp32"] = r = planner_case()
+    except Exception as e:  # noqa: BLE001
+        report["checks"]["planner_topk_fp32"] = r = {"error": repr(e)}
+    print("planner_topk_fp32", r, flush=True)
     for name, r in report["checks"].items():
         dtype = "fp32" if "fp32" in name else "bf16"
         out_tol, grad_tol = TOL[dtype]

@@ -60,6 +60,9 @@ def register() -> None:
     from .sps_hooks import install as install_sps_hooks
 
     install_sps_hooks()  # SGLang's SPS profiler accepts HSPEC where it is imported (sps_hooks.py)
+    from .planner_hooks import install as install_planner_hooks
+
+    install_planner_hooks()  # HSPEC's verify budget and lengths come from sglang_hspec.scheduler (planner_hooks.py)
     _registered = True
     logger.info("sglang-hspec: speculative algorithm HSPEC registered")
 

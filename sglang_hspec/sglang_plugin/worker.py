@@ -1,6 +1,7 @@
 """`HSpecWorkerV2`: SGLang's DSpark worker with H-Spec's drafter (shared/reference/sglang-integration.md
 §5-§8). Inherited unchanged: block proposal, Markov/confidence heads, STS, SPS planner, verify/accept,
-overlap relay and `_forward_prefill` / `_forward_decode`. Replaced:
+overlap relay and `_forward_prefill` / `_forward_decode`; the planner's two decisions (verify budget,
+per-request lengths) come from `sglang_hspec.scheduler.planner` through `planner_hooks.py`. Replaced:
 
 - memory: no drafter KV pool. The draft runner gets a dummy 64-token pool for SGLang's bookkeeping and
   is then bound to the target's pool, before the attention backends capture it (§7);

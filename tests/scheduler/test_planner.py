@@ -113,3 +113,42 @@ def test_additive_table_torch_matches_reference(seed):
     lengths, budget, kstar = both(conf, curve)
     # early stop halts at the first local maximum of Theta, never after the first global one
     assert sum(lengths) == budget <= kstar
+
+
+def test_budget_choice_hand_computed():
+    # survivals 0.9, 0.45, 0.225 (one request): Theta = 100, 171, 188, 180.25 -> n = 2 at 80 steps/s
+    surv = planner.survivals(confidences=torch.tensor([[0.9, 0.5, 0.5]]))
+    choice = planner.budget_choice(survival=surv, sps=table([100, 90, 80, 70]))
+    assert choice == planner.BudgetChoice(budget=2, theta=pytest.approx(188.0), steps_per_sec=80.0)
+    # float32 survivals (SGLang's) give the same decision: tau is summed in float64 either way
+    assert planner.budget_choice(survival=surv.float(), sps=table([100, 90, 80, 70])).budget == 2
+
+
+def test_min_survival_never_admits_a_candidate_below_it():
+    # survivals r0: 0.5, 1e-7 | r1: 1e-7, 1e-7; a curve that rises with tokens would admit all four
+    surv = torch.tensor([[0.5, 1e-7], [1e-7, 1e-7]], dtype=torch.float64)
+    rising = table([10, 20, 30, 40, 50, 60])
+    assert planner.argmax_budget(survival=surv, sps=rising) == 4
+    assert planner.argmax_budget(survival=surv, sps=rising, min_survival=1e-6) == 1
+    assert planner.topk_lengths(survival=surv, budget=4).tolist() == [2, 2]
+    assert planner.topk_lengths(survival=surv, budget=4, min_survival=1e-6).tolist() == [1, 0]
+    # NaN is never admitted either, nor takes an admitted candidate's place (a plain sort puts it first)
+    nan = torch.tensor([[float("nan")], [0.5]], dtype=torch.float64)
+    assert planner.topk_lengths(survival=nan, budget=1).tolist() == [0, 1]
+    assert planner.argmax_budget(survival=nan, sps=rising) == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_min_survival_torch_matches_reference(seed):
+    rng = random.Random(500 + seed)
+    n, k = rng.randint(1, 9), rng.randint(1, 7)
+    surv = [[rng.choice([0.0, 1e-7, 1e-3, 0.25, 0.5, 1.0]) for _ in range(k)] for _ in range(n)]
+    curve = SpsCurve(SpsCostTable(sample_batch_tokens=[1, 4, 9, 20], max_batch_tokens=20 + rng.randint(0, 60),
+                                  sample_steps_per_sec=[float(rng.choice([40, 60, 80, 100])) for _ in range(4)]))
+    t = torch.tensor(surv, dtype=torch.float64)
+    for eps in (0.0, 1e-6, 0.3):
+        assert planner.argmax_budget(survival=t, sps=curve, min_survival=eps) == planner.argmax_budget_reference(
+            survival=surv, sps=lambda b, m: curve.scalar(batch_tokens=b, num_reqs=m), min_survival=eps)
+        for b in range(n * k + 2):
+            assert planner.topk_lengths(survival=t, budget=b, min_survival=eps).tolist() == \
+                planner.topk_lengths_reference(survival=surv, budget=b, min_survival=eps)

@@ -12,6 +12,10 @@ Per-request widths are read from outside in two ways: `meta_info.spec_cap_lens_h
 per request, the steps verified at each width: `layout.verify_lens` of the compact layout), and the
 planner's own per-step decision log (`SGLANG_DSPARK_DEBUG_CONFIDENCE_PREFIX_SCHEDULER=1`: one
 `[DSPARK-CPS] num_reqs=N budget=B ...` line per step, then one `req=... verify_len=L ...` line per request).
+
+The two decisions are our planner's (sglang_plugin/planner_hooks.py): under the same flag it logs each
+budget (`[HSPEC-PLANNER] budget_choice num_reqs=N budget=B ...`) and each step's lengths
+(`[HSPEC-PLANNER] topk_lengths num_reqs=N budget=B verify_lens=[...]`) right before SGLang's lines.
 """
 
 from __future__ import annotations
@@ -29,14 +33,20 @@ STS_TEMPERATURES = [1.0, 0.8, 1.25]
 
 _STEP = re.compile(r"\[DSPARK-CPS\] num_reqs=(\d+) budget=(\d+) gamma=(\d+)")
 _ROW = re.compile(r"\[DSPARK-CPS\]\s+req=(\d+) prefix=(\d+) verify_len=(\d+)")
+_OUR_BUDGET = re.compile(r"\[HSPEC-PLANNER\] budget_choice num_reqs=(\d+) budget=(\d+)")
+_OUR_LENS = re.compile(r"\[HSPEC-PLANNER\] topk_lengths num_reqs=(\d+) budget=(\d+) verify_lens=\[([\d, ]*)\]")
 
 
 def planner_steps(log: str) -> list[dict]:
     """The planner's per-step decisions from the server log: [{num_reqs, budget, verify_lens}]."""
     steps: list[dict] = []
+    ours = None  # our planner's last lengths decision (logged just before SGLang's step line)
     for line in log.splitlines():
-        if m := _STEP.search(line):
-            steps.append({"num_reqs": int(m[1]), "budget": int(m[2]), "verify_lens": []})
+        if m := _OUR_LENS.search(line):
+            ours = {"num_reqs": int(m[1]), "budget": int(m[2]), "verify_lens": [int(x) for x in m[3].split(",")]}
+        elif m := _STEP.search(line):
+            steps.append({"num_reqs": int(m[1]), "budget": int(m[2]), "verify_lens": [], "ours": ours})
+            ours = None
         elif (m := _ROW.search(line)) and steps:
             steps[-1]["verify_lens"].append(int(m[3]))
     return [s for s in steps if len(s["verify_lens"]) == s["num_reqs"]]  # drop a step cut off by stop()
@@ -105,6 +115,19 @@ def test_verify_widths_vary_within_a_batch(planner_run):
     assert any(s["num_reqs"] == 6 and sorted(s["verify_lens"]) == [1, 1, 1, 2, 2, 2] for s in mixed), steps[:5]
     # and which requests get them changes from step to step (the top-k follows the confidences)
     assert len({tuple(s["verify_lens"]) for s in mixed}) > 1, mixed[:5]
+
+
+def test_our_planner_made_the_decisions(planner_run):
+    log = planner_run["log"]
+    assert "HSPEC: verify budget and per-request verify lengths from sglang_hspec.scheduler.planner" in log
+    steps = planner_steps(log)
+    assert steps
+    for s in steps:  # every step's lengths: our topk_lengths, read back by SGLang's own log
+        assert s["ours"] == {k: s[k] for k in ("num_reqs", "budget", "verify_lens")}, s
+    # every step's budget: one of our budget_choice decisions, in order
+    budgets = iter((int(m[1]), int(m[2])) for m in _OUR_BUDGET.finditer(log))
+    assert all((s["num_reqs"], s["budget"]) in budgets for s in steps), "a budget not from budget_choice"
+    print(f"{len(steps)} steps planned by sglang_hspec.scheduler.planner")
 
 
 def test_per_request_widths_in_meta_info(planner_run):
