@@ -167,12 +167,14 @@ class HSpecConfig:
     def for_kind(self, kind: str) -> HSpecConfig:
         """The same target, ids and heads for another drafter kind. `dflash` drops the Markov and
         confidence heads (DFlash has none); the others keep them so ablations differ in one thing."""
-        if kind == self.kind:
-            return self
-        changes: dict[str, Any] = {"kind": kind, "layer_pattern": None, "kv_reuse_layer_ids": None}
-        if kind == "dflash":
+        changes: dict[str, Any] = {}
+        if kind != self.kind:
+            changes.update(kind=kind, layer_pattern=None, kv_reuse_layer_ids=None)
+        # also when the config already says dflash: a recipe shared by every kind (the trainer's
+        # model.drafter section) sets a Markov rank that DFlash must not get
+        if kind == "dflash" and (self.markov_rank or self.confidence_head):
             changes.update(markov_rank=0, confidence_head=False)
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

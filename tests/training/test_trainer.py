@@ -103,6 +103,18 @@ def test_layer_id_out_of_range_for_the_target_is_a_clear_error(tmp_path):
         train(cfg, progress=False)
 
 
+def test_one_recipe_for_every_kind_still_builds_dflash_without_markov_and_confidence_heads():
+    # every configs/train_*_smollm2.yaml shares model.drafter (markov_rank included); DFlash has neither head
+    heads = {}
+    for kind in ("dflash", "dspark", "hspec"):
+        cfg = load_config(TINY, [f"model.kind={kind}"])
+        target = tiny_target("llama", **{k: v for k, v in cfg.model.target_kwargs.items() if k != "arch"})
+        drafter = build_drafter(kind, drafter_config(cfg, target), target.get_input_embeddings(),
+                                target.get_output_embeddings())
+        heads[kind] = (drafter.markov is not None, drafter.confidence is not None, drafter.config.markov_rank)
+    assert heads == {"dflash": (False, False, 0), "dspark": (True, True, 32), "hspec": (True, True, 32)}
+
+
 @pytest.mark.parametrize("kind", ["hspec", "dspark", "dflash", "dflash_target_kv", "hspec_kv_only",
                                   "hspec_last_token_only"])
 def test_block_outputs_ignore_target_tokens_after_the_anchor(kind):
