@@ -1,0 +1,53 @@
+"""Merge `hspec eval` results of several runs into one comparison table and one alpha_j plot.
+
+    python scripts/compare_table.py docs/results/compare_step100.json docs/results/compare_dflash_step100.json \
+        --markdown docs/results/compare_all_step100.md --alpha-plot docs/results/fig4_alpha_step100.png
+
+Each file is an `hspec eval --out` JSON: one drafter's payload, or `{"runs": [...]}` from `--compare`.
+Speedups stay those of their own run (each run measured its own plain baseline); tau does not depend
+on machine speed. All runs must share prompts, block size, new-token budget and temperatures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from sglang_hspec.training.eval import comparison_table, plot_alpha
+
+
+def load_runs(paths: list[str]) -> list[dict]:
+    runs = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        runs.extend(data["runs"] if "runs" in data else [data])
+    first = runs[0]
+    for run in runs[1:]:
+        for key in ("block_size", "max_new_tokens", "temperatures"):
+            if run[key] != first[key]:
+                raise SystemExit(f"{run['drafter']}: {key} {run[key]} differs from {first['drafter']}'s {first[key]}")
+        mine = [(r["dataset"], r["prompts"]) for r in run["results"]]
+        if mine != [(r["dataset"], r["prompts"]) for r in first["results"]]:
+            raise SystemExit(f"{run['drafter']} was evaluated on other prompts than {first['drafter']}")
+    return runs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--baseline", default="dspark")
+    p.add_argument("--markdown")
+    p.add_argument("--alpha-plot")
+    args = p.parse_args()
+    runs = load_runs(args.runs)
+    table = comparison_table(runs, baseline=args.baseline)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    if args.alpha_plot:
+        plot_alpha(runs, args.alpha_plot)
+
+
+if __name__ == "__main__":
+    main()
