@@ -35,6 +35,17 @@ def server_info_for_profiler(info: dict[str, Any]) -> dict[str, Any]:
         out["speculative_algorithm"] = "DSPARK"
     if str(out.get("device") or "").startswith("cpu"):
         out["disable_cuda_graph"] = False
+        # No graphs on CPU: every batch size runs the same eager path, so the sweep's bound is the running
+        # cap, not a captured graph size (SGLang may still report its default capture list).
+        states = []
+        for state in out.get("internal_states") or []:
+            state = dict(state)
+            cap = state.get("effective_max_running_requests_per_dp")
+            if isinstance(cap, int) and cap > 0:
+                state["cuda_graph_config"] = {"decode": {"max_bs": cap}}
+            states.append(state)
+        if states:
+            out["internal_states"] = states
     return out
 
 

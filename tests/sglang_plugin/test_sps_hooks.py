@@ -26,6 +26,17 @@ def test_a_cpu_server_needs_no_cuda_graphs():
     assert seen["disable_cuda_graph"] is False and seen["speculative_algorithm"] == "DSPARK"
 
 
+def test_on_cpu_the_sweep_is_bounded_by_the_running_cap_not_a_graph_capture_list():
+    state = {"effective_max_running_requests_per_dp": 48, "cuda_graph_config": {"decode": {"bs": [1, 2, 4, 8, 16, 32]}}}
+    cpu = sps_hooks.server_info_for_profiler({"speculative_algorithm": "HSPEC", "device": "cpu",
+                                              "internal_states": [state]})
+    assert cpu["internal_states"] == [{**state, "cuda_graph_config": {"decode": {"max_bs": 48}}}]
+    assert state["cuda_graph_config"]["decode"]["bs"][-1] == 32  # the caller's state is not modified
+    gpu = sps_hooks.server_info_for_profiler({"speculative_algorithm": "HSPEC", "device": "cuda",
+                                              "internal_states": [state]})
+    assert gpu["internal_states"] == [state]  # on GPU the captured graphs bound the sweep, as in SGLang
+
+
 def test_prompt_ids_fit_small_vocabularies():
     assert sps_hooks.prompt_id_range(151936, 1000, 1000) == (1000, 1000)  # SGLang's own range
     assert sps_hooks.prompt_id_range(2001, 1000, 1000) == (1000, 1000)  # ids [1000, 1001): still one id
