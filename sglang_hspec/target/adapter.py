@@ -133,7 +133,8 @@ class TargetAdapter:
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self.cache: RaggedKVCache | None = None
-        cache_kwarg(model)  # fail now, not at the first forward, on a model that takes no KV cache
+        # looked up once (every decode step passes it); fails now on a model that takes no KV cache
+        self._cache_arg = cache_kwarg(model)
 
     @property
     def device(self) -> torch.device:
@@ -225,8 +226,8 @@ class TargetAdapter:
         cache._rows, cache._write_index, cache._read_len, cache._writes = rows, positions, end, 0
         try:
             with self._capture_hidden(hidden_layer_ids) as captured:
-                out = call_with_cache(self.model, cache, input_ids=tokens, attention_mask=mask[:, None],
-                                      position_ids=positions)
+                out = call_with_cache(self.model, cache, cache_arg=self._cache_arg, input_ids=tokens,
+                                      attention_mask=mask[:, None], position_ids=positions)
         finally:
             cache._rows = cache._write_index = None
         if cache._writes != self.num_layers:

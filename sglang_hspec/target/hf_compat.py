@@ -46,11 +46,11 @@ def cache_kwarg(module: nn.Module) -> str:
     )
 
 
-def call_with_cache(module: nn.Module, cache, **inputs):
-    """`module(**inputs)` with `cache` passed under the name the installed transformers reads, and
-    `use_cache=True`."""
+def call_with_cache(module: nn.Module, cache, *, cache_arg: str | None = None, **inputs):
+    """`module(**inputs)` with `cache` passed under the name the installed transformers reads (give
+    `cache_arg = cache_kwarg(module)` from a hot loop to skip the signature lookup), and `use_cache=True`."""
     inputs.setdefault("use_cache", True)
-    return module(**inputs, **{cache_kwarg(module): cache})
+    return module(**inputs, **{cache_arg or cache_kwarg(module): cache})
 
 
 def new_dynamic_cache(config=None) -> DynamicCache:
