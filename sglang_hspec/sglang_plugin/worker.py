@@ -28,6 +28,18 @@ from .context import ContextState, drafter_kv_bytes_saved, prefill_last_rows, ve
 logger = logging.getLogger(__name__)
 
 DUMMY_DRAFT_POOL_TOKENS = 64
+# SGLang's step recorder drops step times over 1 s as idle gaps (INFO_DUMP_MAX_STEP_CPU_SECONDS). A CPU verify
+# of dozens of requests takes longer than that, and the SPS profiler then finds no records at all.
+CPU_MAX_STEP_SECONDS = 300.0
+
+
+def allow_slow_cpu_steps(observers, device) -> None:
+    """On CPU, let SGLang's step recorder keep step times up to CPU_MAX_STEP_SECONDS. Idle gaps are still
+    excluded: a prefill or idle step resets the recorder's clock."""
+    dumper = getattr(observers, "_info_dumper", None)
+    if dumper is None or torch.device(device).type != "cpu":
+        return
+    dumper._max_step_cpu_seconds = max(dumper._max_step_cpu_seconds, CPU_MAX_STEP_SECONDS)
 
 
 def register_draft_model_class() -> None:
@@ -99,6 +111,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, **kwargs):
         register_draft_model_class()
         super().__init__(server_args, gpu_id, nccl_port, target_worker, **kwargs)
+        allow_slow_cpu_steps(getattr(self, "_observers", None), self.device)
         if not self._hosts_draft:
             return
         # The context state is sized by the request pool, which exists only at alloc_memory_pool.

@@ -157,3 +157,52 @@ def test_hooks_make_sglang_profiler_accept_hspec(monkeypatch):
     assert (context.verify_num_draft_tokens, context.cuda_graph_max_bs, context.tokenizer_path) == (4, 48, "/tok")
     assert isinstance(prof.requests, SimpleNamespace)  # the module's `requests` is restored after the call
     assert sys.modules[sps_hooks.PROFILER_MODULE] is prof
+
+
+def _record_steps(dumper, clock, gaps_s):
+    """Feed SGLang's step recorder decode steps `gaps_s` seconds apart; returns each record's step_cpu_ms."""
+    import torch
+    from sglang.srt.speculative.dspark_components.dspark_observability import DecodeStepObservation
+
+    empty = torch.zeros(0, dtype=torch.int64)
+    for ct, gap in enumerate(gaps_s):
+        clock.now += gap
+        dumper.observe_decode_step(DecodeStepObservation(
+            forward_ct=ct, bs=1, mode="static", budget=None, lag_steps=None, num_verify_tokens=4,
+            verify_tokens_local=4, verify_tokens_dp_synced=4, verify_tokens_graph_key=4, predicted_step_ms=None,
+            predicted_theta=None, verify_lens=None, confidence=None, req_pool_indices=empty, prefix_lens=empty,
+            draft_tokens=empty, bonus_tokens=empty, correct_len=empty, cap_trim_lens=empty, commit_lens=empty,
+            rids=None))
+    return [r["step_cpu_ms"] if "step_cpu_ms" in r else None for r in dumper.dump()["records"]]
+
+
+def test_cpu_worker_keeps_slow_step_times_for_the_profiler():
+    """SGLang's recorder drops steps over 1 s as idle gaps; on CPU a verify of 48 requests takes longer, which
+    left the profiler with no records (auto-profile failed on the embedded server). The worker raises the
+    cap on CPU only; a prefill still resets the clock, so idle gaps stay out."""
+    import torch
+    from sglang.srt.speculative.dspark_components.dspark_observability import DsparkInfoDumper
+
+    from sglang_hspec.sglang_plugin.worker import allow_slow_cpu_steps
+
+    def dumper_and_clock():
+        clock = SimpleNamespace(now=100.0)
+        dumper = DsparkInfoDumper(components={"core", "step_cpu_time"}, gamma=3, verify_num_draft_tokens=4,
+                                  attn_tp_rank=0, device=torch.device("cpu"), mode_value="static",
+                                  clock=lambda: clock.now)
+        return SimpleNamespace(_info_dumper=dumper), clock
+
+    shipped, clock = dumper_and_clock()
+    assert _record_steps(shipped._info_dumper, clock, [0.0, 0.5, 2.5]) == [None, 500.0, None]
+
+    ours, clock = dumper_and_clock()
+    allow_slow_cpu_steps(ours, "cpu")
+    assert _record_steps(ours._info_dumper, clock, [0.0, 0.5, 2.5, 299.0, 301.0]) == [None, 500.0, 2500.0,
+                                                                                        299000.0, None]
+    ours._info_dumper.note_non_decode_step()  # a prefill: the gap before the next decode step is not a step
+    assert _record_steps(ours._info_dumper, clock, [50.0])[-1] is None
+
+    on_gpu, clock = dumper_and_clock()
+    allow_slow_cpu_steps(on_gpu, "cuda:0")
+    assert _record_steps(on_gpu._info_dumper, clock, [0.0, 2.5]) == [None, None]
+    allow_slow_cpu_steps(None, "cpu")  # a worker without observers (not the last pipeline rank)
