@@ -98,8 +98,8 @@ def _announce(*, sps_table, cfg) -> None:
         capacity = 0
     if table_capacity is not None and table_capacity < capacity:
         logger.warning(
-                "HSPEC: the SPS table's max_batch_tokens=%d is below this server's verify capacity (%d = "
-                "max running requests x %d verify tokens): the planner never plans past %d batch tokens "
+            "HSPEC: the SPS table's max_batch_tokens=%d is below this server's verify capacity (%d = "
+            "max running requests x %d verify tokens): the planner never plans past %d batch tokens "
             "(anchor only beyond). Profile the table for this configuration (hspec profile-sps --url).",
             table_capacity, capacity, cfg.gamma + 1, table_capacity)
 
