@@ -6,7 +6,9 @@
 #   HSPEC         full-block verify (SGLang's default static mode)
 #   HSPEC+SPS     compact mode: the prefix scheduler with an SPS table auto-profiled at launch
 #                 (HSPEC_AUTO_PROFILE_SPS=1, cached under $HSPEC_CACHE_DIR/sps) and the shipped STS file
-# Usage: scripts/bench_serve_cpu.sh [OUT_DIR]   (needs `make setup-sglang`; ~15 min on 2 cores)
+# The servers run side by side but the benchmark drives one at a time; --sleep-on-idle keeps the idle ones
+# off the two cores (SGLang's scheduler loop otherwise polls at full speed).
+# Usage: scripts/bench_serve_cpu.sh [OUT_DIR]   (needs `make setup-sglang`; ~25 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/results/serve_cpu}
@@ -14,7 +16,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 target=$(.venv/bin/python -c "from sglang_hspec.assets.embedded import embedded_target_dir; print(embedded_target_dir())")
 drafter=sglang_hspec/checkpoints/hspec-smollm2
 common=(--model-path "$target" --device cpu --host 127.0.0.1 --max-total-tokens 4096 --skip-server-warmup
-        --disable-cuda-graph --dtype float32)
+        --disable-cuda-graph --dtype float32 --sleep-on-idle)
 cpu_env=(SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_cpu/shim:tests/sglang_cpu/plugin OMP_NUM_THREADS=2)
 mkdir -p "$out"
 pids=()

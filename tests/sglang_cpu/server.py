@@ -130,7 +130,9 @@ def launch(
     cmd = [
         sglang_python(), "-m", "sglang.launch_server", "--model-path", str(model_path), "--device", "cpu",
         "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup", "--disable-cuda-graph",
-        "--dtype", dtype,
+        # An idle SGLang scheduler otherwise polls at 100 % of a core; a module's idle servers would take the
+        # CPU from the test that is running.
+        "--sleep-on-idle", "--dtype", dtype,
         *(["--max-total-tokens", str(max_total_tokens)] if max_total_tokens is not None else []), *args,
     ]
     env = cpu_env(plugins=plugins)
