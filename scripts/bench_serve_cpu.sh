@@ -8,7 +8,7 @@
 #                 (HSPEC_AUTO_PROFILE_SPS=1, cached under $HSPEC_CACHE_DIR/sps) and the shipped STS file
 # The servers run side by side but the benchmark drives one at a time; --sleep-on-idle keeps the idle ones
 # off the two cores (SGLang's scheduler loop otherwise polls at full speed).
-# Usage: scripts/bench_serve_cpu.sh [OUT_DIR]   (needs `make setup-sglang`; ~25 min on 2 cores)
+# Usage: scripts/bench_serve_cpu.sh [OUT_DIR]   (needs `make setup-sglang`; 16 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/results/serve_cpu}

@@ -173,7 +173,7 @@ def _record_steps(dumper, clock, gaps_s):
             predicted_theta=None, verify_lens=None, confidence=None, req_pool_indices=empty, prefix_lens=empty,
             draft_tokens=empty, bonus_tokens=empty, correct_len=empty, cap_trim_lens=empty, commit_lens=empty,
             rids=None))
-    return [r["step_cpu_ms"] if "step_cpu_ms" in r else None for r in dumper.dump()["records"]]
+    return [r.get("step_cpu_ms") for r in dumper.dump()["records"]]
 
 
 def test_cpu_worker_keeps_slow_step_times_for_the_profiler():
