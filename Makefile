@@ -26,6 +26,9 @@ setup-sglang:
 # Part of `make test` (the Quick start's test command). First, ~15 s: the target adapter and drafter
 # tests under the transformers that SGLang pins (5.19; .venv has a newer one), which exercise
 # sglang_hspec/target/hf_compat.py, the layer that hands the HF model its KV cache in either release.
+# Then tests/kernels (~30 s): our Triton kernels against their torch references, under TRITON_INTERPRET on
+# CPU (triton ships with sglang, so only .venv-sglang has it).
 test-sglang: setup-sglang
 	.venv-sglang/bin/python -m pytest -q -m "not slow" tests/target tests/model
+	.venv-sglang/bin/python -m pytest -q tests/kernels
 	.venv-sglang/bin/python -m pytest -q tests/sglang_plugin tests/client/test_client_sglang_real.py

@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
-from .fit import default_temperature_grid, fit_sts_calibration
+from .fit import FIT_METHODS, bootstrap_sts_intervals, default_temperature_grid, fit_sts_calibration
 from .metrics import ConfidenceMetrics, records_metrics, records_reliability
 from .plots import check_png_path, render_reliability_png, save_reliability_png
 from .records import ConfidenceRecords, load_records, save_records
-from .sts import StsCalibration, load_sts, save_sts, write_bytes_atomic
+from .sts import (
+    StsCalibration,
+    StsTemperatureIntervals,
+    intervals_path,
+    load_intervals,
+    load_sts,
+    save_intervals,
+    save_sts,
+    write_bytes_atomic,
+)
 from .synthetic import drafter_like_records, overconfident_records
 
 
@@ -22,6 +32,28 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+class _DeprecatedGamma(argparse.Action):
+    """`--gamma` (SGLang's name for the block size), kept as a hidden alias of `--block-size`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("warning: --gamma is deprecated, use --block-size", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _add_block_size(p: argparse.ArgumentParser, *, default: int | None, help: str) -> None:
+    p.add_argument("--block-size", type=_positive_int, default=default, help=help)
+    p.add_argument(
+        "--gamma", dest="block_size", type=_positive_int, action=_DeprecatedGamma, help=argparse.SUPPRESS
+    )
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -41,14 +73,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     fit = sub.add_parser("fit", help="fit STS temperatures; writes SGLang's DSparkStsCalibration JSON")
     _add_common(fit)
-    fit.add_argument(
-        "--gamma", type=_positive_int, required=True, help="draft slots per block (7 for H-Spec)"
-    )
+    _add_block_size(fit, default=None, help="draft slots per block, required (7 for H-Spec)")
     fit.add_argument(
         "--out", type=Path, required=True, help="STS JSON to write (--speculative-dspark-confidence-sts-path)"
     )
-    fit.add_argument("--grid-min", type=float, default=0.1, help="smallest temperature on the grid (0.1)")
-    fit.add_argument("--grid-max", type=float, default=10.0, help="largest temperature on the grid (10)")
+    fit.add_argument(
+        "--method",
+        choices=FIT_METHODS,
+        default="nll",
+        help="nll (default): log loss of the cumulative survival, minimised continuously in T; "
+        "ece: SGLang's ECE objective, refined continuously; grid: SGLang's fitter exactly (grid points only)",
+    )
+    fit.add_argument(
+        "--bootstrap",
+        type=_non_negative_int,
+        default=200,
+        metavar="N",
+        help="resamples for each slot's 95%% percentile interval, written to <out stem>.intervals.json "
+        "(default 200; 0 skips it)",
+    )
+    fit.add_argument(
+        "--grid-min", type=float, default=0.1, help="smallest temperature of the grid and the search (0.1)"
+    )
+    fit.add_argument(
+        "--grid-max", type=float, default=10.0, help="largest temperature of the grid and the search (10)"
+    )
     fit.add_argument("--grid-points", type=_positive_int, default=41, help="log-spaced grid points (41)")
     fit.add_argument(
         "--min-samples",
@@ -65,14 +114,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="hold out this random fraction of records; metrics and plot are then on held-out rows",
     )
-    fit.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    fit.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the bootstrap")
 
     report = sub.add_parser("report", help="confidence metrics of records, raw and after an STS file")
     _add_common(report)
     report.add_argument("--sts", type=Path, required=True, help="STS JSON (ours or SGLang's)")
-    report.add_argument(
-        "--gamma", type=_positive_int, default=None, help="expected gamma (default: the STS file's)"
-    )
+    _add_block_size(report, default=None, help="expected block size (default: the STS file's)")
     report.add_argument(
         "--json", type=Path, default=None, help="also write the metrics (raw and after) as JSON"
     )
@@ -81,7 +128,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     synth.add_argument("--out-stem", type=Path, required=True, help="shards land at <stem>.<k>.pt")
     synth.add_argument("--kind", choices=("drafter-like", "overconfident"), default="drafter-like")
     synth.add_argument("-n", "--num-records", type=_positive_int, default=50_000)
-    synth.add_argument("--gamma", type=_positive_int, default=7)
+    _add_block_size(synth, default=7, help="draft slots per block (7)")
     synth.add_argument(
         "--temperature", type=float, default=2.5, help="true over-confidence (--kind overconfident)"
     )
@@ -104,25 +151,40 @@ def _fmt(value: float | None, spec: str = ".2%") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_table(before: ConfidenceMetrics, after: ConfidenceMetrics, temperatures: list[float]) -> str:
+def format_table(
+    before: ConfidenceMetrics,
+    after: ConfidenceMetrics,
+    temperatures: list[float],
+    intervals: StsTemperatureIntervals | None = None,
+) -> str:
+    """Per-slot table; with `intervals`, each slot's temperature is followed by its bootstrap interval."""
+    interval_header = f"{intervals.confidence:.0%} interval" if intervals is not None else ""
+    width = 18 if intervals is not None else 0
     lines = [
-        f"{'slot':>4} {'T':>7} {'n':>8} {'ECE raw':>8} {'ECE sts':>8} {'AUROC':>6} "
+        f"{'slot':>4} {'T':>7} {interval_header:>{width}} {'n':>8} {'ECE raw':>8} {'ECE sts':>8} {'AUROC':>6} "
         f"{'Brier raw':>9} {'Brier sts':>9} {'pred raw':>8} {'pred sts':>8} {'observed':>8}"
     ]
-    for j in range(before.gamma):
+    for j in range(before.block_size):
+        interval = f"[{intervals.lower[j]:.3f}, {intervals.upper[j]:.3f}]" if intervals is not None else ""
         lines.append(
-            f"{j:>4} {temperatures[j]:>7.3f} {before.num_observed[j]:>8} {_fmt(before.ece[j]):>8} "
-            f"{_fmt(after.ece[j]):>8} {_fmt(after.auroc[j], '.3f'):>6} {_fmt(before.brier[j], '.4f'):>9} "
-            f"{_fmt(after.brier[j], '.4f'):>9} {_fmt(before.mean_predicted[j], '.3f'):>8} "
-            f"{_fmt(after.mean_predicted[j], '.3f'):>8} {_fmt(before.mean_observed[j], '.3f'):>8}"
+            f"{j:>4} {temperatures[j]:>7.3f} {interval:>{width}} {before.num_observed[j]:>8} "
+            f"{_fmt(before.ece[j]):>8} {_fmt(after.ece[j]):>8} {_fmt(after.auroc[j], '.3f'):>6} "
+            f"{_fmt(before.brier[j], '.4f'):>9} {_fmt(after.brier[j], '.4f'):>9} "
+            f"{_fmt(before.mean_predicted[j], '.3f'):>8} {_fmt(after.mean_predicted[j], '.3f'):>8} "
+            f"{_fmt(before.mean_observed[j], '.3f'):>8}"
         )
     lines.append(
-        f" all {'':>7} {before.num_samples:>8} {before.overall_ece:>8.2%} {after.overall_ece:>8.2%} "
+        f" all {'':>7} {'':>{width}} {before.num_samples:>8} {before.overall_ece:>8.2%} {after.overall_ece:>8.2%} "
         f"{_fmt(after.overall_auroc, '.3f'):>6} {before.overall_brier:>9.4f} {after.overall_brier:>9.4f} "
         f"{before.overall_mean_predicted:>8.3f} {after.overall_mean_predicted:>8.3f} "
         f"{before.overall_mean_observed:>8.3f}"
     )
     lines.append(f"mean per-slot ECE: raw {before.mean_slot_ece:.2%} -> STS {after.mean_slot_ece:.2%}")
+    if intervals is not None:
+        lines.append(
+            f"T intervals: {intervals.confidence:.0%} percentile bootstrap over {intervals.num_resamples} "
+            f"resamples of the {intervals.num_samples} fit records (method {intervals.method}, seed {intervals.seed})"
+        )
     return "\n".join(lines)
 
 
@@ -142,49 +204,97 @@ def _evaluate(
 
 
 def run_fit(args: argparse.Namespace) -> int:
+    if args.block_size is None:
+        raise ValueError("--block-size is required: the drafter's draft slots per block (7 for H-Spec)")
     if args.plot is not None:
         check_png_path(args.plot)
     if args.out.is_dir():
         raise ValueError(f"--out {str(args.out)!r} is a directory; give a file path such as sts.json")
     if not 0 <= args.holdout_fraction < 1:
         raise ValueError(f"--holdout-fraction must be in [0, 1), got {args.holdout_fraction}")
+    if args.bootstrap == 1:
+        raise ValueError("--bootstrap needs at least 2 resamples (200 is the default; 0 skips the intervals)")
     grid = default_temperature_grid(low=args.grid_min, high=args.grid_max, num=args.grid_points)
-    records = load_records(data=args.data, gamma=args.gamma, progress=True)
+    records = load_records(data=args.data, block_size=args.block_size, progress=True)
     fit_rows, eval_rows = records, records
     if args.holdout_fraction > 0:
         fit_rows, eval_rows = records.split(holdout_fraction=args.holdout_fraction, seed=args.seed)
     dataset = args.dataset if args.dataset is not None else ",".join(args.data)
+    started = time.perf_counter()
     sts = fit_sts_calibration(
-        fit_rows, grid=grid, num_bins=args.num_bins, min_samples=args.min_samples, dataset=dataset
+        fit_rows,
+        method=args.method,
+        grid=grid,
+        num_bins=args.num_bins,
+        min_samples=args.min_samples,
+        dataset=dataset,
     )
+    fit_seconds = time.perf_counter() - started
+    intervals = None
+    if args.bootstrap > 0:
+        started = time.perf_counter()
+        intervals = bootstrap_sts_intervals(
+            confidence_logits=fit_rows.logits,
+            prefix_mask=fit_rows.prefix_mask,
+            observed_mask=fit_rows.observed_mask,
+            temperatures=sts.temperatures,
+            method=args.method,
+            grid=grid,
+            num_bins=args.num_bins,
+            min_samples=args.min_samples,
+            num_resamples=args.bootstrap,
+            seed=args.seed,
+            progress=True,
+        )
+        bootstrap_seconds = time.perf_counter() - started
     where = "held-out" if args.holdout_fraction > 0 else "fit"
     before, after, png = _evaluate(
         eval_rows,
         sts,
         num_bins=args.num_bins,
         plot=args.plot,
-        title=f"{dataset}: {eval_rows.num_samples} {where} records, gamma {records.gamma}",
+        title=f"{dataset}: {eval_rows.num_samples} {where} records, block size {records.block_size}",
     )
     # everything computed: only now touch the file system
     save_sts(sts, args.out)
+    if intervals is not None:
+        save_intervals(intervals, intervals_path(args.out))
     if png is not None:
         save_reliability_png(args.plot, png)
+    timing = f"fit {fit_seconds:.1f} s"
+    if intervals is not None:
+        timing += f", bootstrap {args.bootstrap} resamples {bootstrap_seconds:.1f} s"
     print(
-        f"fitted STS on {fit_rows.num_samples} records (gamma={records.gamma}, {len(records.sources)} shard(s)) "
-        f"-> {args.out}"
+        f"fitted STS ({args.method}) on {fit_rows.num_samples} records (block size {records.block_size}, "
+        f"{len(records.sources)} shard(s)) in {timing} -> {args.out}"
     )
+    if intervals is not None:
+        print(f"temperature intervals -> {intervals_path(args.out)}")
     print(f"metrics on {eval_rows.num_samples} {where} records:")
-    print(format_table(before, after, sts.temperatures))
+    print(format_table(before, after, sts.temperatures, intervals))
     if png is not None:
         print(f"reliability diagram -> {args.plot}")
     return 0
 
 
+def _matching_intervals(sts_path: Path, sts: StsCalibration) -> StsTemperatureIntervals | None:
+    """The sidecar written with this STS file, if it is there and still describes these temperatures."""
+    path = intervals_path(sts_path)
+    if not path.is_file():
+        return None
+    intervals = load_intervals(path)
+    if intervals.temperatures != sts.temperatures:
+        print(f"note: {path} belongs to another fit (its temperatures differ); not shown", file=sys.stderr)
+        return None
+    return intervals
+
+
 def run_report(args: argparse.Namespace) -> int:
     if args.plot is not None:
         check_png_path(args.plot)
-    sts = load_sts(args.sts, gamma=args.gamma)
-    records = load_records(data=args.data, gamma=sts.gamma, progress=True)
+    sts = load_sts(args.sts, block_size=args.block_size)
+    intervals = _matching_intervals(args.sts, sts)
+    records = load_records(data=args.data, block_size=sts.block_size, progress=True)
     before, after, png = _evaluate(
         records,
         sts,
@@ -197,27 +307,30 @@ def run_report(args: argparse.Namespace) -> int:
 
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"sts": sts, "raw": before, "calibrated": after}
+        if intervals is not None:
+            payload["intervals"] = intervals
         write_bytes_atomic(args.json, msgspec.json.format(msgspec.json.encode(payload)) + b"\n")
     if png is not None:
         save_reliability_png(args.plot, png)
     print(
-        f"{records.num_samples} records (gamma={records.gamma}) from {len(records.sources)} shard(s); STS {args.sts}"
+        f"{records.num_samples} records (block size {records.block_size}) from {len(records.sources)} shard(s); "
+        f"STS {args.sts}"
     )
-    print(format_table(before, after, sts.temperatures))
+    print(format_table(before, after, sts.temperatures, intervals))
     return 0
 
 
 def run_synth(args: argparse.Namespace) -> int:
     if args.kind == "overconfident":
         records = overconfident_records(
-            n=args.num_records, gamma=args.gamma, temperature=args.temperature, seed=args.seed
+            n=args.num_records, block_size=args.block_size, temperature=args.temperature, seed=args.seed
         )
     else:
-        records = drafter_like_records(n=args.num_records, gamma=args.gamma, seed=args.seed)
+        records = drafter_like_records(n=args.num_records, block_size=args.block_size, seed=args.seed)
     meta = {"source": "synthetic", "kind": args.kind, "seed": args.seed}
     paths = save_records(records, args.out_stem, num_shards=args.shards, meta=meta)
     print(
-        f"wrote {records.num_samples} {args.kind} records (gamma={records.gamma}) to {len(paths)} shard(s): "
+        f"wrote {records.num_samples} {args.kind} records (block size {records.block_size}) to {len(paths)} shard(s): "
         f"{paths[0]} ..."
     )
     return 0

@@ -20,11 +20,11 @@ _EPS_PROB = 1e-8
 
 
 def record_arrays(values, prefix_mask, *, name: str, purpose: str) -> tuple[np.ndarray, np.ndarray]:
-    """(values, prefix_mask) as float64 [n, gamma] arrays, checked to match and be non-empty."""
+    """(values, prefix_mask) as float64 [n, block_size] arrays, checked to match and be non-empty."""
     values = np.asarray(values, dtype=np.float64)
     labels = np.asarray(prefix_mask).astype(np.float64)
     if values.ndim != 2 or values.shape != labels.shape:
-        raise ValueError(f"{name} {values.shape} and prefix_mask {labels.shape} must both be [n, gamma]")
+        raise ValueError(f"{name} {values.shape} and prefix_mask {labels.shape} must both be [n, block_size]")
     if values.shape[0] == 0:
         raise ValueError(f"no records to {purpose}; record some verify steps first")
     return values, labels
@@ -86,7 +86,7 @@ def reliability_bins(*, probs: np.ndarray, labels: np.ndarray, num_bins: int = 1
 
 
 class ConfidenceMetrics(msgspec.Struct, frozen=True):
-    """Per-slot lists have gamma entries; None where a slot has no observed rows (or one label class,
+    """Per-slot lists have block_size entries; None where a slot has no observed rows (or one label class,
     for AUROC)."""
 
     num_samples: int
@@ -105,7 +105,7 @@ class ConfidenceMetrics(msgspec.Struct, frozen=True):
     mean_slot_ece: float
 
     @property
-    def gamma(self) -> int:
+    def block_size(self) -> int:
         return len(self.ece)
 
 
@@ -126,7 +126,7 @@ def survival_metrics(
     observed_mask: np.ndarray | None = None,
     num_bins: int = 15,
 ) -> ConfidenceMetrics:
-    """Metrics of cumulative survival [n, gamma] against prefix_mask [n, gamma] (observed slots only)."""
+    """Metrics of cumulative survival [n, block_size] against prefix_mask [n, block_size] (observed slots only)."""
     survival, labels = record_arrays(survival, prefix_mask, name="survival", purpose="score")
     observed = np.ones(labels.shape, bool) if observed_mask is None else np.asarray(observed_mask, bool)
     per_slot: dict[str, list] = {k: [] for k in ("n", "ece", "auroc", "brier", "pred", "obs")}
@@ -167,7 +167,7 @@ def confidence_metrics(
     temperatures: StsCalibration | Sequence[float] | None = None,
     num_bins: int = 15,
 ) -> ConfidenceMetrics:
-    """Metrics of raw confidence logits [n, gamma], optionally after STS temperatures (None = raw)."""
+    """Metrics of raw confidence logits [n, block_size], optionally after STS temperatures (None = raw)."""
     survival = calibrated_survival_np(confidence_logits=confidence_logits, temperatures=temperatures)
     return survival_metrics(
         survival=survival, prefix_mask=prefix_mask, observed_mask=observed_mask, num_bins=num_bins

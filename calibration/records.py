@@ -1,9 +1,10 @@
-"""Confidence records: raw confidence logits [n, gamma] and accepted-prefix masks [n, gamma].
+"""Confidence records: raw confidence logits [n, block_size] and accepted-prefix masks [n, block_size].
 
 One schema for our engine's records and SGLang's DSpark STS recorder shards: a torch `.pt` dict with
-`logits` (float [n, gamma]) and `prefix_mask` ([n, gamma], prefix_mask[j] = j < num_accepted; bool here,
-float32 in SGLang), plus optional `observed_mask` (newer SGLang: slot j was inside the verify window) and
-an optional `meta` dict."""
+`logits` (float [n, block_size]) and `prefix_mask` ([n, block_size], prefix_mask[j] = j < num_accepted; bool
+here, float32 in SGLang), plus optional `observed_mask` (newer SGLang: slot j was inside the verify window)
+and an optional `meta` dict. The block size is what SGLang calls `gamma`; a shard that also stores it as an
+integer "gamma" (older name) or "block_size" entry is read as before, the value checked against the logits."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from tqdm.auto import tqdm
 
 @dataclass(frozen=True)
 class ConfidenceRecords:
-    logits: np.ndarray  # [n, gamma] float32, raw (pre-sigmoid, pre-STS) confidence logits
-    prefix_mask: np.ndarray  # [n, gamma] bool, slot j accepted (all earlier slots accepted too)
-    # [n, gamma] bool, slot j was verified; None = every slot verified (static / full-block verify)
+    logits: np.ndarray  # [n, block_size] float32, raw (pre-sigmoid, pre-STS) confidence logits
+    prefix_mask: np.ndarray  # [n, block_size] bool, slot j accepted (all earlier slots accepted too)
+    # [n, block_size] bool, slot j was verified; None = every slot verified (static / full-block verify)
     observed_mask: np.ndarray | None = None
     sources: tuple[str, ...] = ()
 
@@ -30,7 +31,7 @@ class ConfidenceRecords:
         prefix = _as_bool_mask(self.prefix_mask, name="prefix_mask")
         if logits.ndim != 2 or logits.shape[1] < 1:
             raise ValueError(
-                f"confidence logits must be [n, gamma] with gamma >= 1, got shape {logits.shape}"
+                f"confidence logits must be [n, block_size] with block_size >= 1, got shape {logits.shape}"
             )
         if prefix.shape != logits.shape:
             raise ValueError(f"prefix_mask shape {prefix.shape} != logits shape {logits.shape}")
@@ -63,7 +64,7 @@ class ConfidenceRecords:
         return self.logits.shape[0]
 
     @property
-    def gamma(self) -> int:
+    def block_size(self) -> int:
         return self.logits.shape[1]
 
     def split(self, *, holdout_fraction: float, seed: int = 0) -> tuple[ConfidenceRecords, ConfidenceRecords]:
@@ -92,8 +93,8 @@ def _as_bool_mask(mask: np.ndarray | torch.Tensor, *, name: str) -> np.ndarray:
     return mask.astype(np.bool_)
 
 
-def num_accepted_to_prefix_mask(num_accepted: np.ndarray, gamma: int) -> np.ndarray:
-    return np.arange(gamma)[None, :] < np.asarray(num_accepted).reshape(-1, 1)
+def num_accepted_to_prefix_mask(num_accepted: np.ndarray, block_size: int) -> np.ndarray:
+    return np.arange(block_size)[None, :] < np.asarray(num_accepted).reshape(-1, 1)
 
 
 # -- reading shards ---------------------------------------------------------------------------------
@@ -140,6 +141,18 @@ def load_shard(path: str | os.PathLike) -> ConfidenceRecords:
         if key in shard and not isinstance(shard[key], torch.Tensor):
             raise ValueError(f"{path}: '{key}' must be a tensor, got {type(shard[key]).__name__}")
     observed = shard.get("observed_mask")
+    width = shard["logits"].shape[-1] if shard["logits"].ndim == 2 else None
+    for key in ("gamma", "block_size"):
+        stored = shard.get(key)
+        if stored is None or width is None:
+            continue
+        if isinstance(stored, torch.Tensor) and stored.numel() == 1:
+            stored = stored.item()
+        if isinstance(stored, bool) or not isinstance(stored, int) or stored != width:
+            raise ValueError(
+                f"{path}: the shard stores {key}={stored!r} but its logits have {width} slots; "
+                "re-record it or leave it out of --data"
+            )
     try:
         return ConfidenceRecords(
             logits=shard["logits"].detach().float().numpy(),
@@ -154,20 +167,23 @@ def load_shard(path: str | os.PathLike) -> ConfidenceRecords:
 def load_records(
     *,
     data: str | os.PathLike | list[str | os.PathLike] | tuple,
-    gamma: int | None = None,
+    block_size: int | None = None,
     progress: bool = False,
 ) -> ConfidenceRecords:
-    """Read and concatenate every shard matched by `data`; checks one gamma across shards (and `gamma`)."""
+    """Read and concatenate every shard matched by `data`; checks one block size across shards (and
+    `block_size`)."""
     paths = resolve_record_paths(data)
     shards = [load_shard(p) for p in tqdm(paths, desc="reading records", unit="shard", disable=not progress)]
-    gammas = {s.gamma for s in shards}
-    if len(gammas) > 1:
-        by_gamma = {g: [str(s.sources[0]) for s in shards if s.gamma == g][:3] for g in sorted(gammas)}
-        raise ValueError(f"shards disagree on gamma: {by_gamma}; select records from one drafter only")
-    found = gammas.pop()
-    if gamma is not None and found != gamma:
+    sizes = {s.block_size for s in shards}
+    if len(sizes) > 1:
+        by_size = {k: [str(s.sources[0]) for s in shards if s.block_size == k][:3] for k in sorted(sizes)}
         raise ValueError(
-            f"records have gamma={found} slots but --gamma {gamma} was requested; "
+            f"shards disagree on the block size: {by_size}; select records from one drafter only"
+        )
+    found = sizes.pop()
+    if block_size is not None and found != block_size:
+        raise ValueError(
+            f"records have block_size={found} slots but --block-size {block_size} was requested; "
             "pass the drafter's block size or point --data at that drafter's records"
         )
     total = sum(s.num_samples for s in shards)
@@ -200,10 +216,15 @@ class ConfidenceRecorder:
     start over existing shards of the same stem so earlier recordings are never overwritten."""
 
     def __init__(
-        self, path_stem: str | os.PathLike, *, gamma: int, flush_every: int = 64, meta: dict | None = None
+        self,
+        path_stem: str | os.PathLike,
+        *,
+        block_size: int,
+        flush_every: int = 64,
+        meta: dict | None = None,
     ):
-        if gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         if flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
         self.path_stem = str(path_stem)
@@ -213,7 +234,7 @@ class ConfidenceRecorder:
                 f"confidence shards already exist for stem {self.path_stem!r} (e.g. {existing[0]}); "
                 "pick a new stem or move the old shards away"
             )
-        self.gamma = int(gamma)
+        self.block_size = int(block_size)
         self.flush_every = int(flush_every)
         self.meta = dict(meta) if meta else None
         self.shard_paths: list[Path] = []
@@ -230,21 +251,21 @@ class ConfidenceRecorder:
         *,
         verify_lens: torch.Tensor | None = None,
     ) -> None:
-        """logits [n, gamma] raw confidence; num_accepted [n] accepted drafts (bonus token excluded);
+        """logits [n, block_size] raw confidence; num_accepted [n] accepted drafts (bonus token excluded);
         verify_lens [n] tokens verified incl. the anchor (slot j observed iff j < verify_len - 1), None = all."""
         if self._closed:
             raise RuntimeError("ConfidenceRecorder.add after close()")
         logits = torch.as_tensor(logits).detach().to("cpu", torch.float32)
-        if logits.ndim != 2 or logits.shape[1] != self.gamma:
-            raise ValueError(f"logits must be [n, gamma={self.gamma}], got {tuple(logits.shape)}")
+        if logits.ndim != 2 or logits.shape[1] != self.block_size:
+            raise ValueError(f"logits must be [n, block_size={self.block_size}], got {tuple(logits.shape)}")
         if not torch.isfinite(logits).all():
             raise ValueError("confidence logits hold NaN or inf; not recording this step")
         counts = torch.as_tensor(num_accepted).detach().to("cpu", torch.int64).reshape(-1)
         if counts.shape[0] != logits.shape[0]:
             raise ValueError(f"num_accepted has {counts.shape[0]} rows, logits {logits.shape[0]}")
-        if counts.numel() and (counts.min() < 0 or counts.max() > self.gamma):
-            raise ValueError(f"num_accepted must be in [0, {self.gamma}], got {counts.tolist()}")
-        positions = torch.arange(self.gamma).view(1, -1)
+        if counts.numel() and (counts.min() < 0 or counts.max() > self.block_size):
+            raise ValueError(f"num_accepted must be in [0, {self.block_size}], got {counts.tolist()}")
+        positions = torch.arange(self.block_size).view(1, -1)
         if verify_lens is None:
             observed = torch.ones_like(logits, dtype=torch.bool)
         else:
@@ -273,8 +294,12 @@ class ConfidenceRecorder:
         path = Path(f"{self.path_stem}.{len(self.shard_paths)}.pt")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(shard, tmp)
-        os.replace(tmp, path)
+        try:
+            torch.save(shard, tmp)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk or a kill mid-save: no partial temp shard left behind
+            tmp.unlink(missing_ok=True)
+            raise
         self.shard_paths.append(path)
         self._logits.clear()
         self._prefix.clear()
@@ -296,7 +321,7 @@ class ConfidenceRecorder:
 
 def save_records(records: ConfidenceRecords, path_stem: str | os.PathLike, *, num_shards: int = 1, meta=None):
     """Write records as `num_shards` recorder shards (demo data, splitting a recording)."""
-    recorder = ConfidenceRecorder(path_stem, gamma=records.gamma, flush_every=1, meta=meta)
+    recorder = ConfidenceRecorder(path_stem, block_size=records.block_size, flush_every=1, meta=meta)
     num_accepted = records.prefix_mask.sum(axis=1)
     verify_lens = None
     for rows in np.array_split(np.arange(records.num_samples), num_shards):

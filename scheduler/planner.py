@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .sps import SpsCurve
@@ -125,14 +126,35 @@ def argmax_budget(*, survival: torch.Tensor, sps: SpsCurve, min_survival: float 
 
 def topk_lengths(*, survival: torch.Tensor, budget: int, min_survival: float = 0.0) -> torch.Tensor:
     """Per-request lengths when the `budget` best candidates (shared order) are verified. No host
-    read-back: runs on the survivals' device without a sync (`budget` is a host int)."""
+    read-back: runs on the survivals' device without a sync (`budget` is a host int). On the CPU a
+    selection replaces the sort (same lengths, ties included)."""
     num_reqs = survival.shape[0]
     if survival.numel() == 0 or budget <= 0:
         return torch.zeros(num_reqs, dtype=torch.long, device=survival.device)
+    if survival.device.type == "cpu":
+        return torch.from_numpy(_topk_lengths_numpy(survival.detach().numpy(), budget, min_survival))
     values, order = candidate_order(survival=_below_to_neg_inf(survival, min_survival))
     take = min(budget, order.numel())
     return _lengths_from_order(order=order, budget=take, num_reqs=num_reqs,
                                admitted=values[:take] != float("-inf"))
+
+
+def _topk_lengths_numpy(survival: np.ndarray, budget: int, min_survival: float) -> np.ndarray:
+    """topk_lengths without a sort: the budget-th largest value by selection, then the ties at it
+    taken in the shared order (slot-major flat index = earlier slot, then lower request)."""
+    num_reqs = survival.shape[0]
+    flat = survival.T.ravel()  # slot-major: m = j * B + r
+    admissible = flat >= min_survival  # NaN fails too
+    count = int(np.count_nonzero(admissible))
+    if budget >= count:
+        chosen = admissible
+    else:
+        values = np.where(admissible, flat, -np.inf)
+        threshold = np.partition(values, values.size - budget)[values.size - budget]
+        chosen = values > threshold
+        ties = np.flatnonzero(values == threshold)[: budget - int(np.count_nonzero(chosen))]
+        chosen[ties] = True
+    return chosen.reshape(-1, num_reqs).sum(axis=0, dtype=np.int64)
 
 
 def threshold_lengths(*, confidences: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -17,14 +17,18 @@ Every policy has the same call:
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import msgspec
+import numpy as np
 import torch
 
-from . import planner
+from . import planner, switch
 from .sps import SpsCurve, SpsTable
 
 logger = logging.getLogger(__name__)
+
+_NEVER = -(2**62)  # 'step' of a draft that never happened
 
 
 class PolicyStats(msgspec.Struct, frozen=True):
@@ -35,6 +39,8 @@ class PolicyStats(msgspec.Struct, frozen=True):
     fallback: bool  # True when an uninitialised SPS table made the policy verify everything
     fallback_reason: str
     unknown_rows: int  # stale policy: rows planned without 2-step-old confidences (new requests)
+    speculative_steps: int = -1  # auto policy: steps that ran the drafter (-1: every step drafts)
+    probes: int = 0  # auto policy: of those, probes (drafted to refresh the estimates)
 
 
 def _check_ids(confidences: torch.Tensor, slot_ids: torch.Tensor, generations: torch.Tensor) -> None:
@@ -198,3 +204,208 @@ class StalePolicy(_SpsPolicy):
         ring_surv[slot_ids] = surv
         self.last_planned_budget = budget
         return self._record(planner.topk_lengths(survival=surv, budget=budget))
+
+
+class AutoPolicy(_SpsPolicy):
+    """Speculate only when it beats plain decoding (scheduler/switch.py states the rule and why it
+    is lossless); when it does, verify the top-K of this step's survivals with K from estimates
+    `lag` steps old, like `StalePolicy`.
+
+    Two calls per step instead of one:
+
+        decision, rows = policy.decide(slot_ids=s, generations=g)   # before drafting
+        # draft only the batch positions `rows` (all of them, a few on a probe, none: plain decode)
+        lengths = policy.plan(confidences=c, slot_ids=s[rows], generations=g[rows])
+        policy.observe(slot_ids=s[rows], generations=g[rows], confidences=c, verify_lengths=lengths,
+                       num_accepted=a)   # after the verify, for the audit
+
+    Information enters the decision only `lag` steps after it was produced (drafts and verify
+    outcomes alike), so under overlap scheduling the decision for step t never waits for step t-1.
+    Requests never drafted take the mean of the known rows of the batch; a batch of only new requests
+    (requests served one at a time) takes a running mean of earlier requests' matured confidences.
+    The audit forgets with `audit_decay` per observed step (recent acceptance counts most)."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        sps_table: SpsTable,
+        *,
+        lag: int = 2,
+        draft_seconds: float | None = None,
+        margin: float = 0.05,
+        probe_interval: int = 16,
+        max_probe_interval: int = 256,
+        probe_rows: int = 4,
+        audit_prior: float = 1.0,
+        audit_decay: float = 0.95,
+    ) -> None:
+        super().__init__(sps_table, allow_uninitialised=False)
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1 (2 for overlap scheduling), got {lag}")
+        if not 1 <= probe_interval <= max_probe_interval:
+            raise ValueError(f"need 1 <= probe_interval <= max_probe_interval, got {probe_interval}, "
+                             f"{max_probe_interval}")
+        if audit_prior <= 0 or not 0 < audit_decay <= 1:
+            raise ValueError(f"need audit_prior > 0 and 0 < audit_decay <= 1, got {audit_prior}, {audit_decay}")
+        self.costs = switch.StepCosts(sps_table, draft_seconds=draft_seconds)
+        self.lag, self.margin, self.probe_rows = lag, margin, probe_rows
+        self.initial_interval, self.max_interval = probe_interval, max_probe_interval
+        self.audit_prior, self.audit_decay = audit_prior, audit_decay
+        self.probe_interval = probe_interval
+        self.last_decision: switch.SpeculationDecision | None = None
+        self._k: int | None = None
+        # host state, numpy (the decision runs every step: one numpy op costs ~1 us, a torch op several)
+        self._conf = np.zeros((0, 0))  # [slots, k] last matured confidences
+        self._gen = np.full(0, -1, dtype=np.int64)  # generation those belong to (-1: none)
+        self._drafted_at = np.full(0, _NEVER, dtype=np.int64)  # step of the slot's last draft
+        self._pending: deque = deque()  # (step, slot_ids, generations, confidences), not yet matured
+        self._pending_audit: deque = deque()  # (step, accepted [k], predicted [k])
+        self._accepted = np.zeros(0)
+        self._predicted = np.zeros(0)
+        self._ratios = np.zeros(0)
+        self._prior: np.ndarray | None = None  # running mean of matured confidences, per slot
+        self._last_draft_step = _NEVER
+        self._probes = self._spec_steps = 0
+        self._clock = 0  # steps decided so far (decide() owns it)
+        self._all_rows = torch.arange(64)  # 0..n-1 for a step that drafts every row, sliced (no new tensor)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def _ensure(self, *, slots: int, k: int | None) -> None:
+        if k is not None and self._k is None:
+            self._k = k
+            self._conf = np.zeros((self._conf.shape[0], k))
+            self._accepted, self._predicted = np.zeros(k), np.zeros(k)
+            self._ratios = np.ones(k)
+        elif k is not None and k != self._k:
+            raise ValueError(f"AutoPolicy was planning k={self._k} slots, got k={k}")
+        have = self._gen.shape[0]
+        if slots > have:
+            size = max(slots, 2 * have, 64)
+            conf = np.zeros((size, self._k or 0))
+            conf[:have] = self._conf
+            gen = np.full(size, -1, dtype=np.int64)
+            gen[:have] = self._gen
+            drafted = np.full(size, _NEVER, dtype=np.int64)
+            drafted[:have] = self._drafted_at
+            self._conf, self._gen, self._drafted_at = conf, gen, drafted
+
+    def _mature(self, step: int) -> None:
+        while self._pending and self._pending[0][0] <= step - self.lag:
+            _, slots, gens, conf = self._pending.popleft()
+            self._conf[slots] = conf
+            self._gen[slots] = gens
+            if conf.size:  # running per-slot mean: the estimate for a batch of requests never drafted
+                mean = conf.mean(0)
+                self._prior = mean if self._prior is None else 0.9 * self._prior + 0.1 * mean
+        changed = False
+        while self._pending_audit and self._pending_audit[0][0] <= step - self.lag:
+            _, acc, pred = self._pending_audit.popleft()
+            self._accepted = self._accepted * self.audit_decay + acc
+            self._predicted = self._predicted * self.audit_decay + pred
+            changed = True
+        if changed:
+            self._ratios = (self._accepted + self.audit_prior) / (self._predicted + self.audit_prior)
+
+    def audit_ratios(self) -> torch.Tensor:
+        """rho_j = (accepted_j + prior) / (predicted_j + prior), over matured outcomes."""
+        return torch.from_numpy(self._ratios.copy())
+
+    @staticmethod
+    def _host_ids(confidences_rows: int, slot_ids: torch.Tensor, generations: torch.Tensor):
+        for name, t in (("slot_ids", slot_ids), ("generations", generations)):
+            if t.dim() != 1 or t.shape[0] != confidences_rows or t.dtype != torch.long:
+                raise ValueError(f"{name} must be a [B={confidences_rows}] long tensor, got {tuple(t.shape)} "
+                                 f"{t.dtype}")
+        s, g = slot_ids.cpu().numpy(), generations.cpu().numpy()
+        if s.size and s.min() < 0:
+            raise ValueError("slot_ids must be >= 0")
+        return s, g
+
+    # ---- the three calls -----------------------------------------------------------------------
+
+    def decide(self, *, slot_ids: torch.Tensor, generations: torch.Tensor):
+        """(SpeculationDecision, batch positions to draft [D] long, ascending)."""
+        n = slot_ids.shape[0]
+        s, g = self._host_ids(n, slot_ids, generations)
+        step = self._clock
+        self._clock += 1
+        self._ensure(slots=int(s.max()) + 1 if n else 0, k=None)
+        self._mature(step)
+        known = self._gen[s] == g
+        num_known = int(np.count_nonzero(known))
+        num_known_estimates = 0
+        if self._k is None:  # nothing drafted yet: survivals are unknown, width irrelevant
+            survival = np.zeros((n, 0))
+        elif num_known == 0 and self._prior is not None and n:
+            # only new requests (e.g. one at a time): what earlier requests' drafts looked like
+            survival = switch.estimated_survival_numpy(confidences=np.tile(self._prior, (n, 1)),
+                                                       known=np.ones(n, dtype=bool), ratios=self._ratios)
+            num_known_estimates = n
+        else:
+            survival = switch.estimated_survival_numpy(confidences=self._conf[s], known=known, ratios=self._ratios)
+        decision = switch.decide_speculation_numpy(
+            survival=survival, costs=self.costs, known_rows=max(num_known, num_known_estimates),
+            steps_since_draft=step - self._last_draft_step, probe_interval=self.probe_interval,
+            probe_rows=self.probe_rows, margin=self.margin, min_survival=0.0)
+        self.probe_interval = switch.next_probe_interval(decision=decision, probe_interval=self.probe_interval,
+                                                         initial=self.initial_interval, maximum=self.max_interval)
+        if decision.probe:  # the rows whose information is oldest (never drafted first), then lower index
+            age = step - np.where(known, self._drafted_at[s], _NEVER)
+            rows = torch.from_numpy(np.sort(np.argsort(-age, kind="stable")[: decision.draft_rows]))
+        elif decision.speculate:
+            if self._all_rows.numel() < n:
+                self._all_rows = torch.arange(max(n, 2 * self._all_rows.numel()))
+            rows = self._all_rows[:n]
+        else:
+            rows = self._all_rows[:0]
+        if decision.speculate:
+            self._last_draft_step = step
+            self._probes += decision.probe
+            self._spec_steps += 1
+        else:  # a plain step: plan() is not called
+            self._steps += 1
+            self._last = 0
+        self.last_decision = decision
+        self._unknown += n - num_known
+        return decision, rows
+
+    def plan(self, *, confidences: torch.Tensor, slot_ids: torch.Tensor, generations: torch.Tensor):
+        """Lengths for the drafted rows of the step `decide` just planned."""
+        if confidences.dim() != 2:
+            raise ValueError(f"confidences must be [B, k], got shape {tuple(confidences.shape)}")
+        b, k = confidences.shape
+        s, g = self._host_ids(b, slot_ids, generations)
+        decision = self.last_decision
+        if decision is None or not decision.speculate:
+            raise ValueError("AutoPolicy.plan: call decide() first, and draft only when it says speculate")
+        conf = confidences.detach().cpu().numpy().astype(np.float64)  # a copy: the pending snapshot owns it
+        if conf.size and not (conf.min() >= 0.0 and conf.max() <= 1.0):  # NaN fails too
+            raise ValueError("confidences must be calibrated probabilities in [0, 1] (apply sigmoid/STS to the raw "
+                             "confidence logits first); got values outside [0, 1] or NaN")
+        self._ensure(slots=int(s.max()) + 1 if b else 0, k=k)
+        step = self._clock - 1
+        self._pending.append((step, s.copy(), g.copy(), conf))
+        self._drafted_at[s] = step
+        current = np.cumprod(np.minimum(conf * self._ratios, 1.0), axis=1)
+        lengths = planner._topk_lengths_numpy(current, decision.budget, 0.0) if decision.budget > 0 and b and k \
+            else np.zeros(b, dtype=np.int64)
+        if decision.probe and k:  # a probe verifies at least one draft per drafted row (feeds the audit)
+            np.maximum(lengths, 1, out=lengths)
+        self._steps += 1
+        self._last = int(lengths.sum())
+        self._total += self._last
+        return torch.from_numpy(lengths).to(confidences.device)
+
+    def observe(self, *, slot_ids: torch.Tensor, generations: torch.Tensor, confidences: torch.Tensor,
+                verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Outcomes of the rows `plan` just planned (confidences as passed to plan)."""
+        if confidences.shape[0] == 0:
+            return
+        acc, pred = switch.audit_counts(confidences=confidences.detach().cpu(), verify_lengths=verify_lengths.cpu(),
+                                        num_accepted=num_accepted.cpu())
+        self._pending_audit.append((self._clock - 1, acc.numpy(), pred.numpy()))
+
+    def stats(self) -> PolicyStats:
+        return msgspec.structs.replace(super().stats(), speculative_steps=self._spec_steps, probes=self._probes)

@@ -8,7 +8,13 @@ Two layouts, byte-for-byte the field names of `sglang/srt/speculative/dspark_com
   `bias + alpha(num_reqs) + theta(num_reqs + budget)`, each term linearly interpolated and clamped.
 
 Batch tokens count what the target verifies in one forward: B = sum_r (1 + l_r), the anchor plus
-l_r draft tokens per request. `SpsCurve` turns either table into a vectorised torch lookup; beyond
+l_r draft tokens per request.
+
+The floor table may also carry the rest of a step's cost, so that speculation can be weighed against
+plain decoding (`sglang_hspec.scheduler.switch`): `plain_batch_sizes` (requests, one token each),
+`plain_steps_per_sec` (plain decode steps/s at that many requests) and `draft_seconds` (the drafter's
+propose forward at that many requests). The fields are optional (empty = not profiled) and SGLang's
+`SpsCostTable` ignores keys it does not know, so an extended file still loads there unchanged. `SpsCurve` turns either table into a vectorised torch lookup; beyond
 `max_batch_tokens` a floor table reports 0 steps/s so planners never plan past capacity.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
 from pathlib import Path
 
 import msgspec
@@ -43,14 +50,31 @@ def _check_probes(name: str, probes: list[int], values: list[float], values_name
         raise ValueError(f"{values_name} must be finite, got {bad}")
 
 
-class SpsCostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Floor step table: steps/s measured at strictly increasing batch-token probes."""
+class SpsCostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Floor step table: steps/s measured at strictly increasing batch-token probes, optionally with
+    plain-decode steps/s and the drafter's seconds per propose at strictly increasing request counts."""
 
     sample_batch_tokens: list[int]
     sample_steps_per_sec: list[float]
     max_batch_tokens: int
+    plain_batch_sizes: list[int] = []
+    plain_steps_per_sec: list[float] = []
+    draft_seconds: list[float] = []
 
     def __post_init__(self) -> None:
+        if self.plain_batch_sizes or self.plain_steps_per_sec or self.draft_seconds:
+            _check_probes("plain_batch_sizes", self.plain_batch_sizes, self.plain_steps_per_sec,
+                          "plain_steps_per_sec")
+            if any(v <= 0 for v in self.plain_steps_per_sec):
+                raise ValueError(f"plain_steps_per_sec must be > 0, got {self.plain_steps_per_sec}")
+            if self.draft_seconds and len(self.draft_seconds) != len(self.plain_batch_sizes):
+                raise ValueError(
+                    f"draft_seconds must be empty (drafter not profiled) or one per plain_batch_sizes "
+                    f"entry, got {len(self.draft_seconds)} vs {len(self.plain_batch_sizes)}; re-run "
+                    "`hspec profile-sps`"
+                )
+            if any(not (math.isfinite(v) and v >= 0) for v in self.draft_seconds):
+                raise ValueError(f"draft_seconds must be finite and >= 0, got {self.draft_seconds}")
         _check_probes("sample_batch_tokens", self.sample_batch_tokens, self.sample_steps_per_sec,
                       "sample_steps_per_sec")
         if any(v <= 0 for v in self.sample_steps_per_sec):
@@ -70,6 +94,25 @@ class SpsCostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Floor lookup (SGLang semantics: below the first probe, the first probe's value)."""
         idx = bisect.bisect_right(self.sample_batch_tokens, batch_tokens) - 1
         return self.sample_steps_per_sec[max(0, idx)]
+
+    @property
+    def has_plain(self) -> bool:
+        return bool(self.plain_batch_sizes)
+
+    def plain_lookup(self, num_reqs: int) -> float:
+        """Plain decode steps/s at `num_reqs` requests (floor lookup, like `lookup`). Without plain
+        probes: the anchor-only verify step (B = num_reqs), which is what a plain step computes."""
+        if not self.plain_batch_sizes:
+            return 0.0 if num_reqs > self.max_batch_tokens else self.lookup(num_reqs)
+        idx = bisect.bisect_right(self.plain_batch_sizes, num_reqs) - 1
+        return self.plain_steps_per_sec[max(0, idx)]
+
+    def draft_lookup(self, num_reqs: int) -> float:
+        """Seconds of one draft forward over `num_reqs` requests (floor lookup; 0 if not profiled)."""
+        if not self.draft_seconds:
+            return 0.0
+        idx = bisect.bisect_right(self.plain_batch_sizes, num_reqs) - 1
+        return self.draft_seconds[max(0, idx)]
 
 
 class SpsAdditiveCostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -140,8 +183,17 @@ def load_sps_table(path: str | Path) -> SpsTable:
 
 
 def save_sps_table(table: SpsTable, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(sps_table_to_json(table) + "\n")
+    """Atomic write (temp file + os.replace): a reader never sees half a table."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(sps_table_to_json(table) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: drop the partial temp file, keep the previous table
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"could not write SPS table {path}: {e.strerror or e}; the disk may be full "
+                      "(the previous table, if any, is unchanged)") from e
 
 
 class SpsCurve:

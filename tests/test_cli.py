@@ -37,9 +37,10 @@ def test_generate_errors_name_the_problem(tiny_dir, capsys, tmp_path):
     with pytest.raises(SystemExit, match="holds no prompts"):
         main(["generate", "--target", tiny_dir, "--prompt-file", str(empty)])
     rc = main(["generate", "--target", str(tmp_path), "--prompt", "hi"])
-    assert rc == 2 and "neither 'embedded' nor a local Hugging Face model directory" in capsys.readouterr().err
-    rc = main(["generate", "--target", tiny_dir, "--prompt", "hi", "--policy", "stale"])
-    assert rc == 2 and "needs an SPS table" in capsys.readouterr().err
+    assert rc == 2 and "neither 'embedded', 'tiny' nor a local Hugging Face model directory" in capsys.readouterr().err
+    rc = main(["generate", "--target", tiny_dir, "--prompt", "hi", "--policy", "stale"])  # ngram: no confidences
+    assert rc == 2 and "plans verify lengths from a confidence head, which the ngram drafter has none of" in \
+        capsys.readouterr().err
     # the shipped drafter was built for SmolLM2: on another target the error names the fields and values
     rc = main(["generate", "--target", tiny_dir, "--drafter", "shipped", "--prompt", "hi"])
     err = capsys.readouterr().err

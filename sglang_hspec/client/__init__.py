@@ -6,16 +6,17 @@ OpenAI-compatible ``/v1/chat/completions``; every result carries the request's s
 closed-loop serving benchmark behind ``hspec bench serve``. See docs/client.md.
 """
 
-from .client import AsyncHSpecClient, HSpecClient, ServerInfo
+from .client import AsyncHSpecClient, HSpecClient
 from .errors import (
     HSpecClientError,
+    InvalidArgumentError,
     MalformedResponseError,
     NotSpeculativeError,
     RequestTimeoutError,
     ServerHTTPError,
     ServerUnavailableError,
 )
-from .types import ChatChunk, ChatResult, GenerateChunk, GenerateResult, SpecStats
+from .types import ChatChunk, ChatResult, GenerateChunk, GenerateResult, ServerInfo, SpecStats
 
 __all__ = [
     "AsyncHSpecClient",
@@ -25,6 +26,7 @@ __all__ = [
     "GenerateResult",
     "HSpecClient",
     "HSpecClientError",
+    "InvalidArgumentError",
     "MalformedResponseError",
     "NotSpeculativeError",
     "RequestTimeoutError",

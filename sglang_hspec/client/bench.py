@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,8 +29,8 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
-from .client import AsyncHSpecClient
-from .errors import HSpecClientError, ServerUnavailableError
+from .client import AsyncHSpecClient, checked_base_url
+from .errors import HSpecClientError, InvalidArgumentError, ServerUnavailableError
 
 
 class Conversation(msgspec.Struct, frozen=True):
@@ -329,17 +330,24 @@ def _parse_concurrency(text: str) -> list[int]:
     return levels
 
 
+def _checked_url(flag: str, url: str) -> str:
+    try:
+        return checked_base_url(url)
+    except InvalidArgumentError as exc:
+        raise SystemExit(f"{flag}: {exc}") from None
+
+
 def _parse_servers(args: argparse.Namespace) -> list[tuple[str, str]]:
     if bool(args.url) == bool(args.compare):
         raise SystemExit("pass exactly one of --url URL or --compare NAME=URL [NAME=URL ...]")
     if args.url:
-        return [("server", args.url)]
+        return [("server", _checked_url("--url", args.url))]
     servers = []
     for item in args.compare:
         name, sep, url = item.partition("=")
         if not sep or not name or not url.startswith(("http://", "https://")):
             raise SystemExit(f"--compare wants NAME=http://HOST:PORT items, got {item!r}")
-        servers.append((name, url))
+        servers.append((name, _checked_url(f"--compare {name}=", url)))
     if len({n for n, _ in servers}) != len(servers):
         raise SystemExit(f"--compare names must be distinct, got {[n for n, _ in servers]}")
     return servers
@@ -430,7 +438,10 @@ def run_serve(args: argparse.Namespace) -> int:
         "results": msgspec.to_builtins(summaries),
     }
     json_path, png_path = args.out / "bench_serve.json", args.out / "bench_serve.png"
-    json_path.write_text(json.dumps(report, indent=2, allow_nan=False))
+    # Atomic: a reader never sees half a report, and an interrupted run keeps the previous one.
+    tmp_path = json_path.with_suffix(".json.tmp")
+    tmp_path.write_text(json.dumps(report, indent=2, allow_nan=False))
+    os.replace(tmp_path, json_path)
     plot(summaries, png_path)
     print(f"wrote {json_path} and {png_path}")
     return 0

@@ -11,6 +11,13 @@ class HSpecClientError(Exception):
     """Base class of every error the client raises."""
 
 
+class InvalidArgumentError(HSpecClientError, ValueError):
+    """A client or call argument is invalid (bad base URL, port, timeout, ...); raised before any request.
+
+    Also a ``ValueError``, so code that checks arguments with ``except ValueError`` keeps working.
+    """
+
+
 class ServerUnavailableError(HSpecClientError):
     """The server refused or dropped the connection, after all connection retries."""
 

@@ -4,11 +4,14 @@ Wire shapes follow SGLang 0.5.23: ``TokenizerManager`` builds ``meta_info`` (``s
 only on the final chunk of a request whose ``spec_verify_ct > 0``), and the OpenAI-compatible chat
 endpoint carries the same counters under ``sglext.spec_tokens_details`` when the request sets
 ``return_spec_tokens_details``. Parsing is strict about types and lenient about extra keys, since
-SGLang adds keys between releases.
+SGLang adds keys between releases. Counters that cannot all be true (negative counts, an accept rate
+above 1, more tokens claimed than ids sent) raise :class:`MalformedResponseError` instead of
+becoming stats.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -46,7 +49,7 @@ class _MetaInfoWire(msgspec.Struct):
 class _GenerateWire(msgspec.Struct):
     meta_info: _MetaInfoWire
     text: str | None = None
-    output_ids: list[int] = []
+    output_ids: list[int] | None = None  # None: the server sent no ids, so there is nothing to check
 
 
 class _SpecDetailsWire(msgspec.Struct):
@@ -207,8 +210,24 @@ class ChatChunk(msgspec.Struct, frozen=True, kw_only=True):
     result: ChatResult | None = None
 
 
+class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``/server_info`` says about speculation (and the raw dict, for anything else)."""
+
+    version: str | None
+    model_path: str | None
+    speculative_algorithm: str | None
+    speculative_num_draft_tokens: int | None
+    raw: dict[str, Any]
+
+    @property
+    def is_speculative(self) -> bool:
+        return bool(self.speculative_algorithm)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Parsing
+
+_NOT_SGLANG_FIX = "Check that the URL points at an SGLang server (0.5.x)."
 
 
 def _convert(obj: Any, wire_type: type, what: str) -> Any:
@@ -216,8 +235,7 @@ def _convert(obj: Any, wire_type: type, what: str) -> Any:
         return msgspec.convert(obj, wire_type)
     except msgspec.ValidationError as exc:
         raise MalformedResponseError(
-            f"{what}: response does not have SGLang's shape ({exc}); got {_preview(obj)}. "
-            "Check that the URL points at an SGLang server (0.5.x)."
+            f"{what}: response does not have SGLang's shape ({exc}); got {_preview(obj)}. {_NOT_SGLANG_FIX}"
         ) from None
 
 
@@ -235,7 +253,135 @@ def decode_json(body: bytes | str, what: str) -> Any:
         raise MalformedResponseError(f"{what}: body is not valid JSON ({exc}): {_preview(raw)!r}") from None
 
 
+def _find_key(obj: Any, key: str) -> Any:
+    # SGLang's resolved_dict() may nest argument groups; search depth-first, top level first.
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        for value in obj.values():
+            found = _find_key(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+def parse_server_info(obj: Any, *, what: str = "/server_info") -> ServerInfo:
+    """Parse a ``/server_info`` body (already JSON-decoded); wrong types raise, naming the key."""
+    if not isinstance(obj, dict):
+        raise MalformedResponseError(
+            f"{what}: expected a JSON object of server arguments, got {_preview(obj)} "
+            f"({type(obj).__name__}). {_NOT_SGLANG_FIX}"
+        )
+
+    def text(key: str, value: Any) -> str | None:
+        if value is not None and not isinstance(value, str):
+            raise MalformedResponseError(
+                f"{what}: {key} should be a string or null, got {_preview(repr(value))}. {_NOT_SGLANG_FIX}"
+            )
+        return value
+
+    num_draft = _find_key(obj, "speculative_num_draft_tokens")
+    if num_draft is not None:
+        whole = isinstance(num_draft, int | float) and not isinstance(num_draft, bool)
+        if not (whole and float(num_draft).is_integer() and num_draft >= 1):
+            raise MalformedResponseError(
+                f"{what}: speculative_num_draft_tokens should be a whole number >= 1 or null, got "
+                f"{_preview(repr(num_draft))}. {_NOT_SGLANG_FIX}"
+            )
+        num_draft = int(num_draft)
+    return ServerInfo(
+        version=text("version", obj.get("version")),
+        model_path=text("model_path", _find_key(obj, "model_path")),
+        speculative_algorithm=text("speculative_algorithm", _find_key(obj, "speculative_algorithm")),
+        speculative_num_draft_tokens=num_draft,
+        raw=obj,
+    )
+
+
+def _spec_problems(spec: SpecStats, completion_tokens: int) -> list[str]:
+    """What in ``spec`` cannot be true of a request that generated ``completion_tokens`` tokens.
+
+    SGLang 0.5.23 (TokenizerManager._calculate_spec_decoding_metrics) reports accept_length =
+    completion_tokens / verify_ct and one histogram entry per verify step, indexed by the drafts it
+    accepted; every verify step commits at least its bonus token.
+    """
+    problems = []
+    steps, tau, hist = spec.verify_ct, spec.accept_length, spec.correct_drafts_histogram
+    if steps < 0:
+        problems.append(f"spec_verify_ct={steps} is negative")
+    elif steps > completion_tokens:
+        problems.append(
+            f"spec_verify_ct={steps} exceeds completion_tokens={completion_tokens} "
+            "(every verify step commits at least one token)"
+        )
+    if not (math.isfinite(tau) and tau >= 1):
+        problems.append(f"spec_accept_length={tau} is not a number >= 1 (a verify step commits >= 1 token)")
+    elif steps > 0 and tau * steps > completion_tokens * (1 + 1e-9) + 1e-6:
+        problems.append(
+            f"spec_accept_length={tau} over spec_verify_ct={steps} steps is {tau * steps:g} tokens, "
+            f"more than completion_tokens={completion_tokens}"
+        )
+    correct, proposed = spec.num_correct_drafts, spec.num_proposed_drafts
+    if correct < 0 or proposed < 0:
+        problems.append(
+            f"spec_num_correct_drafts={correct} or spec_num_proposed_drafts={proposed} is negative"
+        )
+    elif correct > proposed:
+        problems.append(f"spec_num_correct_drafts={correct} exceeds spec_num_proposed_drafts={proposed}")
+    if spec.accept_rate is not None and not 0.0 <= spec.accept_rate <= 1.0:  # NaN fails too
+        problems.append(f"spec_accept_rate={spec.accept_rate} is not a fraction in [0, 1]")
+    if spec.cap_length is not None and not (math.isfinite(spec.cap_length) and spec.cap_length > 0):
+        problems.append(f"spec_cap_length={spec.cap_length} is not a length > 0")
+    if any(count < 0 for count in hist):
+        problems.append(f"spec_correct_drafts_histogram={list(hist)} has a negative count")
+    elif hist and sum(hist) != steps:
+        problems.append(
+            f"spec_correct_drafts_histogram counts {sum(hist)} verify steps, spec_verify_ct={steps}"
+        )
+    elif hist and sum(i * count for i, count in enumerate(hist)) != correct:
+        problems.append(
+            f"spec_correct_drafts_histogram accounts for {sum(i * c for i, c in enumerate(hist))} accepted "
+            f"drafts, spec_num_correct_drafts={correct}"
+        )
+    return problems
+
+
+def _check_counters(
+    what: str,
+    *,
+    request_id: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    spec: SpecStats | None,
+    cached_tokens: int = 0,
+    output_ids: tuple[int, ...] | None = None,
+    e2e_latency: float | None = None,
+) -> None:
+    """Refuse a result whose counters cannot all be true, rather than return stats that are wrong."""
+    counts = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
+    }
+    problems = [f"{name}={value} is negative" for name, value in counts.items() if value < 0]
+    if output_ids is not None and len(output_ids) != completion_tokens:
+        problems.append(
+            f"completion_tokens={completion_tokens} but the response carries {len(output_ids)} output ids"
+        )
+    if e2e_latency is not None and not (math.isfinite(e2e_latency) and e2e_latency >= 0):
+        problems.append(f"e2e_latency={e2e_latency} is not a duration >= 0")
+    if spec is not None:
+        problems += _spec_problems(spec, completion_tokens)
+    if problems:
+        raise MalformedResponseError(
+            f"{what}: the server reported impossible counters for request {request_id}: "
+            f"{'; '.join(problems)}. No result is returned, since its stats cannot be trusted. "
+            f"{_NOT_SGLANG_FIX} If it does, report this server bug with the request id."
+        )
+
+
 def spec_from_meta_info(meta: _MetaInfoWire) -> SpecStats | None:
+    # A negative count is kept (not read as "no speculation") so that _check_counters refuses it.
     if not meta.spec_verify_ct or meta.spec_accept_length is None:
         return None
     return SpecStats(
@@ -253,7 +399,7 @@ def _spec_from_sglext(sglext: _SglExtWire | None) -> SpecStats | None:
     details = sglext.spec_tokens_details if sglext is not None else None
     if isinstance(details, list):  # n > 1: one entry per choice; the client asks for n = 1
         details = details[0] if details else None
-    if details is None or details.spec_verify_ct <= 0:
+    if details is None or details.spec_verify_ct == 0:  # negative: kept, so _check_counters refuses it
         return None
     return SpecStats(
         accept_length=details.spec_accept_length,
@@ -279,12 +425,14 @@ def parse_generate(obj: Any, *, client_latency_s: float, what: str = "/generate"
     if isinstance(obj, list):
         raise MalformedResponseError(f"{what}: got a batch (list) response; send one prompt per call")
     wire = _convert(obj, _GenerateWire, what)
-    return _generate_result(wire, wire.text or "", tuple(wire.output_ids), client_latency_s, what)
+    ids = None if wire.output_ids is None else tuple(wire.output_ids)
+    return _generate_result(wire, wire.text or "", ids, client_latency_s, what)
 
 
 def _generate_result(
-    wire: _GenerateWire, text: str, output_ids: tuple[int, ...], client_latency_s: float, what: str
+    wire: _GenerateWire, text: str, output_ids: tuple[int, ...] | None, client_latency_s: float, what: str
 ) -> GenerateResult:
+    """The final event as a result; ``output_ids`` is None when the server sent none."""
     meta = wire.meta_info
     finish_reason, matched = _finish(meta, what)
     if finish_reason == "abort":
@@ -294,10 +442,21 @@ def _generate_result(
             status_code=reason.status_code or 500,
             body=msgspec.json.encode(reason).decode(),
         )
+    spec = spec_from_meta_info(meta)
+    _check_counters(
+        what,
+        request_id=meta.id,
+        prompt_tokens=meta.prompt_tokens,
+        completion_tokens=meta.completion_tokens,
+        spec=spec,
+        cached_tokens=meta.cached_tokens,
+        output_ids=output_ids,
+        e2e_latency=meta.e2e_latency,
+    )
     return GenerateResult(
         request_id=meta.id,
         text=text,
-        output_ids=output_ids,
+        output_ids=output_ids or (),
         finish_reason=finish_reason,
         matched_stop=matched,
         prompt_tokens=meta.prompt_tokens,
@@ -305,7 +464,7 @@ def _generate_result(
         cached_tokens=meta.cached_tokens,
         latency_s=meta.e2e_latency if meta.e2e_latency else client_latency_s,
         client_latency_s=client_latency_s,
-        spec=spec_from_meta_info(meta),
+        spec=spec,
     )
 
 
@@ -322,13 +481,15 @@ class GenerateStreamAssembler:
         self._what = what
         self._text = ""
         self._ids: list[int] = []
+        self._ids_sent = False  # whether any event carried output_ids
         self.final: GenerateResult | None = None
 
     def feed(self, obj: Any, *, client_latency_s: float) -> GenerateChunk:
         if self.final is not None:
             raise MalformedResponseError(f"{self._what}: event after the final one: {_preview(obj)}")
         wire = _convert(obj, _GenerateWire, self._what)
-        ids, text = wire.output_ids, wire.text or ""
+        self._ids_sent |= wire.output_ids is not None
+        ids, text = wire.output_ids or [], wire.text or ""
         cumulative = len(ids) == wire.meta_info.completion_tokens and ids[: len(self._ids)] == self._ids
         if cumulative:
             ids_delta, text_delta = ids[len(self._ids) :], text[len(self._text) :]
@@ -339,7 +500,8 @@ class GenerateStreamAssembler:
             self._text += text
         result = None
         if wire.meta_info.finish_reason is not None:
-            result = _generate_result(wire, self._text, tuple(self._ids), client_latency_s, self._what)
+            ids_seen = tuple(self._ids) if self._ids_sent else None
+            result = _generate_result(wire, self._text, ids_seen, client_latency_s, self._what)
             self.final = result
         return GenerateChunk(text_delta=text_delta, output_ids_delta=tuple(ids_delta), result=result)
 
@@ -353,16 +515,30 @@ def parse_chat(obj: Any, *, client_latency_s: float, what: str = "/v1/chat/compl
     if choice.finish_reason is None:
         raise MalformedResponseError(f"{what}: choice has no finish_reason: {_preview(obj)}")
     _raise_if_chat_abort(choice.finish_reason, what, obj)
-    return ChatResult(
+    return _chat_result(
+        what,
         request_id=wire.id,
         model=wire.model,
         text=choice.message.content or "",
         finish_reason=choice.finish_reason,
         matched_stop=choice.matched_stop,
-        prompt_tokens=wire.usage.prompt_tokens,
-        completion_tokens=wire.usage.completion_tokens or 0,
+        usage=wire.usage,
         latency_s=client_latency_s,
         spec=_spec_from_sglext(wire.sglext),
+    )
+
+
+def _chat_result(what: str, *, usage: _UsageWire, spec: SpecStats | None, **fields: Any) -> ChatResult:
+    completion_tokens = usage.completion_tokens or 0
+    _check_counters(
+        what,
+        request_id=fields["request_id"],
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=completion_tokens,
+        spec=spec,
+    )
+    return ChatResult(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=completion_tokens, spec=spec, **fields
     )
 
 
@@ -418,14 +594,14 @@ class ChatStreamAssembler:
             raise MalformedResponseError(
                 f"{self._what}: stream carried no usage chunk although stream_options.include_usage was set"
             )
-        return ChatResult(
+        return _chat_result(
+            self._what,
             request_id=self._id,
             model=self._model,
             text="".join(self._parts),
             finish_reason=self._finish_reason,
             matched_stop=self._matched_stop,
-            prompt_tokens=self._usage.prompt_tokens,
-            completion_tokens=self._usage.completion_tokens or 0,
+            usage=self._usage,
             latency_s=client_latency_s,
             spec=self._spec,
         )

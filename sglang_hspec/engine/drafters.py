@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_hspec.engine.types import DraftContext, DraftProposal, SamplingParams
+from sglang_hspec.core.types import DraftContext, DraftProposal, SamplingParams
 
 
 class NoDrafter:
@@ -14,7 +14,7 @@ class NoDrafter:
     block_size = 0
     target_layer_ids: tuple[int, ...] = ()
     kv_layer_ids: tuple[int, ...] = ()
-    window = 1
+    sliding_window = 1
 
     def propose(self, ctx: DraftContext, sampling: SamplingParams, generator=None) -> DraftProposal:
         b = ctx.anchor_tokens.shape[0]
@@ -31,7 +31,7 @@ class NGramDrafter:
     name = "ngram"
     target_layer_ids: tuple[int, ...] = ()
     kv_layer_ids: tuple[int, ...] = ()
-    window = 1
+    sliding_window = 1
 
     def __init__(self, block_size: int = 7, *, max_ngram: int = 3, min_ngram: int = 1):
         if block_size < 1 or not 1 <= min_ngram <= max_ngram:
@@ -74,7 +74,7 @@ class RandomDrafter:
     name = "random"
     target_layer_ids: tuple[int, ...] = ()
     kv_layer_ids: tuple[int, ...] = ()
-    window = 1
+    sliding_window = 1
 
     def __init__(self, vocab_size: int, block_size: int = 4):
         self.vocab_size = vocab_size
@@ -97,7 +97,7 @@ class SkewedDrafter:
     name = "skewed"
     target_layer_ids: tuple[int, ...] = ()
     kv_layer_ids: tuple[int, ...] = ()
-    window = 1
+    sliding_window = 1
 
     def __init__(self, vocab_size: int, block_size: int = 3, *, seed: int = 0):
         g = torch.Generator().manual_seed(seed)

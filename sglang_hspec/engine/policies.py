@@ -14,26 +14,30 @@ def make_policy(name: str, *, block_size: int, sps_table: str | None = None,
 
     fixed: verify the whole proposal. exact: DSpark's Algorithm 1 with early stop on this step's
     confidences. stale: budget from confidences two steps old, lengths = top-K of the current ones.
-    The transform turns raw confidence logits [B, k] into per-slot probabilities (sigmoid, or the
-    STS-calibrated sigmoid(z / T_j))."""
+    auto: stale, plus the switch of scheduler/switch.py: decode plainly (no draft forward, anchor-only
+    verify) whenever that is expected to be faster, probing now and then. The transform turns raw
+    confidence logits [B, block_size] into per-slot probabilities (sigmoid, or the STS-calibrated
+    sigmoid(z / T_j))."""
     from sglang_hspec.calibration.sts import calibrated_confidence, load_sts
 
-    temperatures = load_sts(sts, gamma=block_size) if sts is not None else None
+    temperatures = load_sts(sts, block_size=block_size) if sts is not None else None
     # per-slot sigmoid(z_j / T_j): the planners take the running product themselves
     transform = lambda logits: calibrated_confidence(confidence_logits=logits, temperatures=temperatures)
     if name == "fixed":
         from sglang_hspec.engine.engine import full_block_policy
 
         return full_block_policy(block_size=block_size), transform
-    if name not in ("exact", "stale"):
-        raise ValueError(f"unknown verify-length policy {name!r}; choose fixed, exact or stale")
+    if name not in ("exact", "stale", "auto"):
+        raise ValueError(f"unknown verify-length policy {name!r}; choose fixed, exact, stale or auto")
     if sps_table is None:
         raise ValueError(f"--policy {name} needs an SPS table: profile one with `hspec profile-sps --out sps.json` "
                          "and pass --sps-table sps.json")
-    from sglang_hspec.scheduler.policy import ExactPolicy, StalePolicy
+    from sglang_hspec.scheduler.policy import AutoPolicy, ExactPolicy, StalePolicy
     from sglang_hspec.scheduler.sps import load_sps_table
 
     table = load_sps_table(sps_table)
+    if name == "auto":
+        return AutoEngineAdapter(AutoPolicy(table, lag=2), block_size=block_size), transform
     planner = ExactPolicy(table) if name == "exact" else StalePolicy(table, lag=2)
 
     def scheduled(*, confidences, proposal_lengths, row_ids, generations):
@@ -45,3 +49,34 @@ def make_policy(name: str, *, block_size: int, sps_table: str | None = None,
 
     scheduled.planner = planner
     return scheduled, transform
+
+
+class AutoEngineAdapter:
+    """`--policy auto` in the engine's terms: `decide` before drafting (which rows draft), the call
+    itself for the drafted rows' lengths, `observe` after the verify (feeds the acceptance audit).
+
+    A drafter without a confidence head (n-gram, random) counts as confidence 1 on each proposed
+    slot and 0 past its proposal, so the audit's ratio becomes its observed acceptance rate."""
+
+    def __init__(self, planner, *, block_size: int) -> None:
+        self.planner = planner
+        self.block_size = block_size
+        self._confidences: torch.Tensor | None = None
+
+    def decide(self, *, row_ids: torch.Tensor, generations: torch.Tensor) -> torch.Tensor:
+        _, rows = self.planner.decide(slot_ids=row_ids.long().cpu(), generations=generations.long().cpu())
+        return rows
+
+    def __call__(self, *, confidences, proposal_lengths, row_ids, generations):
+        if confidences is None:
+            slot = torch.arange(self.block_size, device=proposal_lengths.device)[None, :]
+            confidences = (slot < proposal_lengths[:, None]).float()
+        self._confidences = confidences.float().cpu()
+        lengths = self.planner.plan(confidences=self._confidences, slot_ids=row_ids.long().cpu(),
+                                    generations=generations.long().cpu())
+        return torch.minimum(lengths.to(proposal_lengths.device), proposal_lengths)
+
+    def observe(self, *, row_ids, generations, verify_lengths, num_accepted) -> None:
+        self.planner.observe(slot_ids=row_ids.long().cpu(), generations=generations.long().cpu(),
+                             confidences=self._confidences, verify_lengths=verify_lengths.long().cpu(),
+                             num_accepted=num_accepted.long().cpu())

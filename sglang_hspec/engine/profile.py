@@ -4,6 +4,11 @@ A probe of B batch tokens runs n = ceil(B / tokens_per_request) requests of ceil
 (exactly B when B is a multiple of tokens_per_request = 1 + k, the usual probe sizes), on top of
 `context` cached tokens per request, the way the engine's verify step calls `TargetAdapter.extend`.
 The KV is written but never committed, so every probe sees the same context.
+
+The step function also carries `plain_fn(num_reqs)` (a plain decode step: one token for each of
+num_reqs requests, hidden states captured as the engine does) and, when a drafter is given,
+`draft_fn(num_reqs)` (its propose forward over num_reqs requests on the same cached context): the
+columns the speculate-or-decode switch weighs (scheduler/switch.py).
 """
 
 from __future__ import annotations
@@ -16,24 +21,18 @@ from sglang_hspec.target.adapter import TargetAdapter
 
 
 def _load_adapter(target: str, dtype: str, device: str | None) -> TargetAdapter:
-    if target == "tiny":  # the in-code tiny Llama: tests and smoke runs
-        from sglang_hspec.assets.tiny import tiny_target
-        from sglang_hspec.target.dtypes import resolve_dtype
+    from sglang_hspec.target.loading import load_target
 
-        adapter = TargetAdapter(tiny_target("llama", dtype=resolve_dtype(dtype)))
-    else:
-        from sglang_hspec.engine.loading import load_target
-
-        adapter = load_target(target, dtype=dtype)
-    if device is not None:
-        adapter.model.to(device)
-    return adapter
+    return load_target(target, dtype=dtype, device=device or "cpu")
 
 
 def make_step_fn(*, max_batch_tokens: int, tokens_per_request: int = 8, target: str = "embedded",
-                 dtype: str = "auto", context: int = 128, device: str | None = None):
+                 dtype: str = "auto", context: int = 128, device: str | None = None, max_requests: int = 64,
+                 drafter: str = "default"):
     """`step_fn(batch_tokens)` over `target` ('embedded' SmolLM2, 'tiny', or a local HF model directory;
-    dtype auto = bf16 where it is native, else fp32). Keywords come from `--factory-arg KEY=VALUE`."""
+    dtype auto = bf16 where it is native, else fp32), with `plain_fn` and `draft_fn` for up to
+    `max_requests` requests. drafter: 'default' (the shipped one on the embedded target, else none),
+    'none', 'shipped' or a checkpoint directory. Keywords come from `--factory-arg KEY=VALUE`."""
     if tokens_per_request < 1 or max_batch_tokens < 1 or context < 1:
         raise ValueError(f"need tokens_per_request, max_batch_tokens and context >= 1, got "
                          f"{tokens_per_request}, {max_batch_tokens}, {context}")
@@ -41,7 +40,9 @@ def make_step_fn(*, max_batch_tokens: int, tokens_per_request: int = 8, target: 
     if context + tokens_per_request > adapter.max_context:
         raise ValueError(f"context {context} + {tokens_per_request} verify tokens exceeds the target's "
                          f"{adapter.max_context}; pass a smaller --factory-arg context=N")
-    rows = math.ceil(max_batch_tokens / tokens_per_request)
+    if max_requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+    rows = max(math.ceil(max_batch_tokens / tokens_per_request), max_requests)
     adapter.reset(rows, capacity=context + tokens_per_request)
     vocab = adapter.geometry.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -62,5 +63,56 @@ def make_step_fn(*, max_batch_tokens: int, tokens_per_request: int = 8, target: 
         adapter.extend(verify[:n, :width], rows=torch.arange(n), commit=False)
         sync()
 
+    draft_model = _load_drafter(drafter, adapter, str(target))
+    hidden_ids = list(draft_model.target_layer_ids) if draft_model is not None else []
+
+    def check_requests(num_reqs: int) -> None:
+        if not 1 <= num_reqs <= rows:
+            raise ValueError(f"{num_reqs} requests is outside 1..{rows}; raise --factory-arg max_requests=N")
+
+    def plain_fn(num_reqs: int) -> None:
+        check_requests(num_reqs)
+        adapter.extend(verify[:num_reqs, :1], rows=torch.arange(num_reqs), commit=False,
+                       hidden_layer_ids=hidden_ids)
+        sync()
+
     step_fn.adapter = adapter  # for inspection (tests, notebooks)
+    step_fn.plain_fn = plain_fn
+    if draft_model is not None:
+        from sglang_hspec.core.types import DraftContext, SamplingParams
+
+        ids = torch.arange(rows, device=adapter.device)
+        last = adapter.extend(verify[:, :1], rows=ids, commit=False, hidden_layer_ids=hidden_ids)
+        last_hidden = None if last.hidden is None else last.hidden[:, 0]
+        greedy = SamplingParams()
+
+        def draft_fn(num_reqs: int) -> None:
+            check_requests(num_reqs)
+            r = ids[:num_reqs]
+            ctx = DraftContext(
+                anchor_tokens=verify[:num_reqs, 0].to(adapter.device), last_position=adapter.lengths[r] - 1,
+                target_hidden=None if last_hidden is None else last_hidden[:num_reqs],
+                kv_views={lid: adapter.kv_view(lid, window=draft_model.sliding_window, rows=r)
+                          for lid in draft_model.kv_layer_ids},
+                token_history=[[] for _ in range(num_reqs)], row_ids=r)
+            with torch.no_grad():
+                draft_model.propose(ctx, greedy, None)
+            sync()
+
+        step_fn.draft_fn = draft_fn
     return step_fn
+
+
+def _load_drafter(spec: str, adapter: TargetAdapter, target: str):
+    """The drafter whose propose forward is timed, or None ('none', or 'default' off the embedded target)."""
+    from sglang_hspec.engine.loading import default_drafter_spec, load_drafter_spec
+
+    if spec == "default":
+        spec = default_drafter_spec() if target == "embedded" else "none"
+    if spec == "none":
+        return None
+    model = load_drafter_spec(spec, adapter)
+    if getattr(model, "kv_layer_ids", None) is None or hasattr(model, "extend_context"):
+        raise ValueError(f"--factory-arg drafter={spec}: only drafters without a drafter-side KV cache (hspec) "
+                         "can be timed on a bare context; profile dflash/dspark through the engine")
+    return model

@@ -9,9 +9,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
 from torch import nn
 
+from sglang_hspec.core.atomic import atomic_open
 from sglang_hspec.model.config import SLOT_CONVENTION, HSpecConfig
 from sglang_hspec.model.dflash import DFlashDraftModel
 from sglang_hspec.model.hspec import DraftModel
@@ -62,7 +65,7 @@ def config_json(model: DraftModel) -> dict:
     rope = {"rope_theta": t.rope_theta, **{"rope_type": "default", **t.rope_scaling}}
     # The top level must read as a config of the target's family: SGLang loads the drafter's config.json
     # through transformers' AutoConfig (an unknown model_type such as "hspec" fails there), with DSpark's
-    # fields (sglang-integration.md §11). The `hspec` section is authoritative for our own loaders.
+    # fields (docs/architecture.md, "Checkpoint format"). The `hspec` section is authoritative for our own loaders.
     return {
         "architectures": [ARCHITECTURES[cfg.kind]],
         "model_type": t.model_type,
@@ -93,35 +96,91 @@ def config_json(model: DraftModel) -> dict:
 
 
 def save_drafter(model: DraftModel, path: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write `config.json` and `model.safetensors` (trainable weights + d2t) into directory `path`."""
+    """Write `config.json` and `model.safetensors` (trainable weights + d2t) into directory `path`.
+
+    Both files are written to temp files first and renamed into place only when both are complete, so
+    a crash or a full disk leaves the previous checkpoint intact (ArtifactWriteError names the file)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, t in model.state_dict().items():
         t = t.detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         state[name] = t.contiguous().cpu()
-    tmp = path / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt", "kind": model.config.kind})
-    tmp.replace(path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(config_json(model), indent=2) + "\n")
+    weights = save_safetensors(state, metadata={"format": "pt", "kind": model.config.kind})
+    config = json.dumps(config_json(model), indent=2) + "\n"
+    # the weights are renamed last: a reader never pairs new weights with an old config
+    with atomic_open(path / "model.safetensors", "wb") as fw, atomic_open(path / "config.json", "w") as fc:
+        fw.write(weights)
+        fc.write(config)
     return path
 
 
 def check_against_target(cfg: HSpecConfig, target: TargetGeometry, block_size: int | None = None) -> None:
     problems = [(f"target.{f}", a, b) for f, a, b in cfg.target.mismatches(target) if f in CHECKED_GEOMETRY]
-    if block_size is not None and block_size != cfg.block_size:
-        problems.append(("block_size", cfg.block_size, block_size))
     if cfg.mask_token_id >= target.vocab_size:
         problems.append(("mask_token_id", cfg.mask_token_id, f"< {target.vocab_size}"))
     for i in sorted(set(cfg.target_layer_ids) | set(cfg.kv_reuse_layer_ids)):  # each out-of-range id once
         if i >= target.num_hidden_layers:
             problems.append(("target_layer_ids", i, f"< {target.num_hidden_layers}"))
     if problems:
-        lines = "; ".join(f"{f}: checkpoint {a!r} vs target {b!r}" for f, a, b in problems)
-        raise ValueError(f"drafter checkpoint does not match the target: {lines}. "
+        raise ValueError(f"drafter checkpoint does not match the target: {_problem_lines(problems)}. "
                          "Load the drafter trained for this target (or retrain it).")
+    if block_size is not None and block_size != cfg.block_size:
+        # a block-parallel drafter proposes exactly the block it was trained on (the policy may verify less)
+        raise ValueError(f"block_size {block_size} was requested, but this {cfg.kind} drafter proposes "
+                         f"{cfg.block_size} tokens per step (its trained block_size): leave block_size unset "
+                         f"(drop --block-size) or ask for {cfg.block_size}")
+
+
+def _problem_lines(problems: list[tuple[str, object, object]]) -> str:
+    return "; ".join(f"{f}: checkpoint {a!r} vs target {b!r}" for f, a, b in problems)
+
+
+def read_checkpoint_config(path: str | Path, target: TargetGeometry | None = None) -> HSpecConfig:
+    """The drafter config in `path`/config.json (its `hspec` section). Every problem names the file; with
+    `target`, a checkpoint built for another target reports the mismatched geometry fields first (a layer
+    count of 24 vs 30 is the cause, a layer id out of range only its symptom)."""
+    file = Path(path) / "config.json"
+    fix = "re-copy the checkpoint, or write it again with sglang_hspec.model.checkpoint.save_drafter"
+    try:
+        raw = json.loads(file.read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"{file} is not a text file (not UTF-8): it is damaged; {fix}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}): it is truncated or damaged; {fix}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("hspec"), dict):
+        raise ValueError(f"{file} has no 'hspec' section; was it written by save_drafter? ({fix})")
+    section = raw["hspec"]
+    convention = section.get("slot_convention")
+    if convention != SLOT_CONVENTION:
+        raise ValueError(f"{file}: slot_convention: checkpoint {convention!r} vs runtime {SLOT_CONVENTION!r}; "
+                         "this runtime drives DSpark's anchor-then-masks convention")
+    try:
+        stored = TargetGeometry.from_dict(section.get("target"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: its hspec.target section is not a valid target geometry ({e}); {fix}") from None
+    if target is not None:
+        problems = [(f"target.{f}", a, b) for f, a, b in stored.mismatches(target) if f in CHECKED_GEOMETRY]
+        ids = [*(section.get("target_layer_ids") or ()), *(section.get("kv_reuse_layer_ids") or ())]
+        for i in sorted({i for i in ids if isinstance(i, int) and i >= target.num_hidden_layers}):
+            problems.append(("target_layer_ids", i, f"< {target.num_hidden_layers}"))
+        if problems:
+            raise ValueError(f"drafter checkpoint {path} does not match the target: {_problem_lines(problems)}. "
+                             "Load the drafter trained for this target (or retrain it).")
+    try:
+        return HSpecConfig.from_dict(section)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{file}: invalid drafter config: {e}") from None
+
+
+def read_checkpoint_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    file = Path(path) / "model.safetensors"
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} cannot be read as safetensors ({e}): it is truncated or damaged; re-copy the "
+                         "checkpoint, or write it again with sglang_hspec.model.checkpoint.save_drafter") from None
 
 
 def load_state_strict(model: nn.Module, state: dict[str, torch.Tensor], *, what: str) -> None:
@@ -143,18 +202,10 @@ def load_drafter(path: str | Path, target_geometry: TargetGeometry, embed: nn.Em
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{path} is not a drafter checkpoint: it needs config.json and model.safetensors")
-    raw = json.loads((path / "config.json").read_text())
-    if "hspec" not in raw:
-        raise ValueError(f"{path}/config.json has no 'hspec' section; was it written by save_drafter?")
-    section = raw["hspec"]
-    convention = section.get("slot_convention")
-    if convention != SLOT_CONVENTION:
-        raise ValueError(f"slot_convention: checkpoint {convention!r} vs runtime {SLOT_CONVENTION!r}; "
-                         "this runtime drives DSpark's anchor-then-masks convention")
-    cfg = HSpecConfig.from_dict(section)
+    cfg = read_checkpoint_config(path, target_geometry)
     check_against_target(cfg, target_geometry, block_size)
+    state = read_checkpoint_weights(path)
     model = build_drafter(cfg.kind, cfg, embed, lm_head)
-    state = load_file(str(path / "model.safetensors"))
     stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     model.to(dtype=dtype or stored)  # never round the stored weights through a narrower dtype
     load_state_strict(model, state, what=f"{path}/model.safetensors ({cfg.kind} drafter)")

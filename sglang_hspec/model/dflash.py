@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sglang_hspec.engine.types import DraftContext
+from sglang_hspec.core.types import DraftContext
 from sglang_hspec.model.config import HSpecConfig
 from sglang_hspec.model.hspec import DraftModel, RMSNorm, WindowKV, gather_window
 from sglang_hspec.target.kv_view import dense_window_view
@@ -167,7 +167,7 @@ class DFlashDraftModel(DraftModel):
                 "DraftContext.new_hidden [B, t, 5, d] with new_hidden_lengths (the engine does this)"
             )
         st = self.state
-        return {i: gather_window(dense_window_view(k, v, n, self.window, row_index=rows), n, self.window)
+        return {i: gather_window(dense_window_view(k, v, n, self.sliding_window, row_index=rows), n, self.sliding_window)
                 for i, (k, v) in enumerate(zip(st.keys, st.values))}
 
     def train_contexts(self, hidden, kv, input_ids, last_position, rows) -> dict[int, WindowKV]:
@@ -177,6 +177,6 @@ class DFlashDraftModel(DraftModel):
         positions = torch.arange(T, device=hidden.device).expand(B, T)
         out = {}
         for i, (k, v) in enumerate(self.context_kv(hidden, positions)):
-            view = dense_window_view(k, v, last_position, self.window, row_index=rows)
-            out[i] = gather_window(view, last_position, self.window)
+            view = dense_window_view(k, v, last_position, self.sliding_window, row_index=rows)
+            out[i] = gather_window(view, last_position, self.sliding_window)
         return out

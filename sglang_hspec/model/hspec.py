@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_hspec.engine.sampling import sample_from, sampling_probs
-from sglang_hspec.engine.types import DraftContext, DraftProposal, SamplingParams
+from sglang_hspec.core.sampling import sample_from, sampling_probs
+from sglang_hspec.core.types import DraftContext, DraftProposal, SamplingParams
+from sglang_hspec.kernels import PagedKVWindow, paged_block_attention
 from sglang_hspec.model.config import HSpecConfig
-from sglang_hspec.model.ssd import gpu_scan, ssd_block
+from sglang_hspec.model.ssd import mamba_block
 from sglang_hspec.target.kv_view import TargetKVView, dense_window_view
 
 
@@ -71,8 +72,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, L, D], positions [N, L] (HF rotate-half layout)."""
-    ang = positions.to(torch.float64)[..., None] * inv_freq.to(device=x.device, dtype=torch.float64)
+    """x [N, heads, L, D], positions [N, L] (HF rotate-half layout); inv_freq float64 on x's device (the
+    drafter's buffer: no copy here, so a CUDA graph can capture it)."""
+    ang = positions.to(inv_freq.dtype)[..., None] * inv_freq
     ang = torch.cat([ang, ang], dim=-1)[:, None]  # [N, 1, L, D]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     half = x.shape[-1] // 2
@@ -132,20 +134,11 @@ class Mamba2(nn.Module):
         g = g.reshape(b, L, -1) * self.norm.to(g.dtype)
         return self.out_proj(g.to(z.dtype))
 
-    def forward(self, u: torch.Tensor, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, u: torch.Tensor, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mixer output and the final SSM state (None from SGLang's serving kernel, which returns none)."""
         z, x, B, C, dt = self.split(u)
         A = -torch.exp(self.A_log.float() if u.dtype != torch.float64 else self.A_log)
-        scan = gpu_scan() if u.is_cuda else None
-        if scan is not None:
-            y, final = scan(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), self.chunk_size,
-                            D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True,
-                            initial_states=initial_state.float().contiguous(), return_final_states=True)
-            y = y.to(u.dtype)
-        else:
-            ct = _compute_dtype(u.dtype)
-            dtp = F.softplus((dt + self.dt_bias).to(ct))  # threshold 20 as the kernel
-            y, final = ssd_block(x.to(ct), dtp, A.to(ct), B.to(ct), C.to(ct), self.D.to(ct), initial_state.to(ct))
-            y = y.to(u.dtype)
+        y, final = mamba_block(x, dt, A, B, C, self.D, self.dt_bias, initial_state, chunk_size=self.chunk_size)
         return self.gated_norm_out(y, z), final
 
 
@@ -158,10 +151,11 @@ class WindowKV:
     mask: torch.Tensor
 
 
-def gather_window(view: TargetKVView, last_position: torch.Tensor, window: int) -> WindowKV:
+def gather_window(view: TargetKVView, last_position: torch.Tensor, sliding_window: int) -> WindowKV:
     k, v = view.gather()
     # the view may be wider than the drafter's window: keys older than n+1-W are masked here
-    mask = view.valid & (view.positions > last_position[:, None] - window) & (view.positions <= last_position[:, None])
+    mask = (view.valid & (view.positions > last_position[:, None] - sliding_window)
+            & (view.positions <= last_position[:, None]))
     return WindowKV(k, v, mask)
 
 
@@ -190,22 +184,26 @@ class Attention(nn.Module):
         return k, self.v_proj(x).view(N, L, self.nkv, self.hd).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                context: WindowKV | None) -> torch.Tensor:
+                context: WindowKV | PagedKVWindow | None) -> torch.Tensor:
         N, L, _ = x.shape
         q = self.q_proj(x).view(N, L, self.nh, self.hd)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), positions, inv_freq)
         k, v = self.project_kv(x, positions, inv_freq)
-        block_mask = torch.ones(L, L, dtype=torch.bool, device=x.device)
-        if self.causal:
-            block_mask = block_mask.tril()
-        mask = block_mask.expand(N, L, L)
-        if context is not None:
-            k = torch.cat([context.key.to(q.dtype), k], dim=2)
-            v = torch.cat([context.value.to(q.dtype), v], dim=2)
-            mask = torch.cat([context.mask[:, None, :].expand(N, L, -1), mask], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=self.nkv != self.nh)
+        if isinstance(context, PagedKVWindow):
+            # SGLang's paged pool, read in place: the Triton kernel on CUDA, its torch twin elsewhere
+            out = paged_block_attention(q, k, v, context, causal=self.causal)
+        else:
+            block_mask = torch.ones(L, L, dtype=torch.bool, device=x.device)
+            if self.causal:
+                block_mask = block_mask.tril()
+            mask = block_mask.expand(N, L, L)
+            if context is not None:
+                k = torch.cat([context.key.to(q.dtype), k], dim=2)
+                v = torch.cat([context.value.to(q.dtype), v], dim=2)
+                mask = torch.cat([context.mask[:, None, :].expand(N, L, -1), mask], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=self.nkv != self.nh)
         return self.o_proj(out.transpose(1, 2).reshape(N, L, self.nh * self.hd))
 
 
@@ -290,7 +288,7 @@ class DraftModel(nn.Module):
         self._target = (target_embed, target_lm_head)
         self.name = cfg.kind
         self.block_size = cfg.block_size
-        self.window = cfg.sliding_window
+        self.sliding_window = cfg.sliding_window
         self.target_layer_ids = cfg.hidden_layer_ids
         self.kv_layer_ids = cfg.kv_reuse_layer_ids if cfg.reads_target_kv else ()
         self.layers = nn.ModuleList(Layer(cfg, p) for p in cfg.layer_pattern)
@@ -299,9 +297,25 @@ class DraftModel(nn.Module):
         self.markov = MarkovHead(cfg.draft_vocab_size, cfg.markov_rank) if cfg.markov_rank else None
         self.confidence = (nn.Linear(cfg.hidden_size + cfg.markov_rank, 1) if cfg.confidence_head else None)
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)
-        # a plain float64 attribute, not a buffer: model.to(bfloat16) must not round the RoPE frequencies
-        self.inv_freq = rope_inv_freq(t.head_dim, t.rope_theta, t.rope_scaling)
+        # float64 RoPE frequencies on the model's device (a graph-captured forward copies nothing from the
+        # host); not saved (derived from the target's config) and kept float64 by `_apply`
+        self.register_buffer("inv_freq", rope_inv_freq(t.head_dim, t.rope_theta, t.rope_scaling), persistent=False)
         self._lm_cache: tuple | None = None
+        self._t2d_cache: tuple | None = None
+
+    def _apply(self, fn, recurse=True):
+        """Module moves and casts (.to, .cuda, .half, to_empty, ...) move inv_freq but never round it:
+        it is recomputed exactly on the new device, so model.to(bfloat16) keeps float64 frequencies."""
+        inv = self._buffers.pop("inv_freq")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers["inv_freq"] = inv
+        device = fn(torch.empty(0, device=inv.device)).device
+        if device != inv.device or inv.dtype != torch.float64:
+            t = self.config.target
+            self._buffers["inv_freq"] = rope_inv_freq(t.head_dim, t.rope_theta, t.rope_scaling).to(device)
+        return self
 
     # ---- vocabulary ----
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
@@ -313,19 +327,30 @@ class DraftModel(nn.Module):
         self.d2t.copy_(d2t)
         self._lm_cache = None
 
+    def target_to_draft(self) -> torch.Tensor:
+        """[V] target id -> draft id, V_d (W1's spare row) outside the draft vocabulary. Cached per d2t
+        version and device (d2t changes by set_draft_vocab or load_state_dict)."""
+        key = (self.d2t._version, self.d2t.device, self.d2t.data_ptr())
+        if self._t2d_cache is None or self._t2d_cache[0] != key:
+            V, Vd = self.config.target.vocab_size, self.config.draft_vocab_size
+            t2d = torch.full((V,), Vd, dtype=torch.long, device=self.d2t.device)
+            t2d[self.d2t] = torch.arange(Vd, device=self.d2t.device)
+            self._t2d_cache = (key, t2d)
+        return self._t2d_cache[1]
+
     def to_draft_ids(self, target_ids: torch.Tensor, oov: int | None = None) -> torch.Tensor:
         """Target ids -> draft ids; ids outside the draft vocabulary -> `oov` (default V_d, W1's spare row)."""
-        V = self.config.target.vocab_size
-        t2d = torch.full((V,), self.config.draft_vocab_size if oov is None else oov,
-                         dtype=torch.long, device=self.d2t.device)
-        t2d[self.d2t] = torch.arange(self.d2t.numel(), device=self.d2t.device)
-        return t2d[target_ids.clamp(0, V - 1)]
+        ids = self.target_to_draft()[target_ids.clamp(0, self.config.target.vocab_size - 1)]
+        if oov is not None and oov != self.config.draft_vocab_size:
+            ids = ids.masked_fill(ids == self.config.draft_vocab_size, oov)
+        return ids
 
-    def _draft_lm_weight(self) -> torch.Tensor:
+    def _draft_lm_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target LM head's draft-vocabulary rows (weight [V_d, d], bias), gathered once and cached."""
         lm = self._target[1]
         key = (lm.weight.data_ptr(), lm.weight._version, self.d2t._version, self.d2t.device)
         if self._lm_cache is None or self._lm_cache[0] != key:
-            bias = None if lm.bias is None else lm.bias.detach()[self.d2t]
+            bias = None if getattr(lm, "bias", None) is None else lm.bias.detach()[self.d2t]
             self._lm_cache = (key, lm.weight.detach()[self.d2t], bias)
         return self._lm_cache[1], self._lm_cache[2]
 
@@ -353,9 +378,12 @@ class DraftModel(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._target[0](ids)
 
-    def initial_state(self, hidden_last: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
+    def initial_state(self, hidden_last: torch.Tensor | None, n: int, like: torch.Tensor,
+                      fused_context: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.config
         if self.state_proj is not None:
+            if fused_context is not None:  # a server's per-request context row (StateProjection.fused)
+                return self.state_proj.state(fused_context)
             if hidden_last is None:
                 raise ValueError(f"{cfg.kind} needs the target hidden states of layers {cfg.target_layer_ids} "
                                  "at position n (DraftContext.target_hidden [B, 5, hidden])")
@@ -363,16 +391,18 @@ class DraftModel(nn.Module):
         return like.new_zeros(n, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_dim)
 
     def backbone(self, anchor_tokens: torch.Tensor, last_position: torch.Tensor,
-                 hidden_last: torch.Tensor | None, contexts: dict[int, WindowKV]) -> torch.Tensor:
-        """The block forward shared by propose and training. anchor_tokens / last_position [N];
-        hidden_last [N, 5, d] (ignored unless the state is injected); contexts: attention layer index
-        -> its context window (missing = block only). Returns normed hidden [N, k, d]."""
+                 hidden_last: torch.Tensor | None, contexts: dict[int, WindowKV], *,
+                 fused_context: torch.Tensor | None = None) -> torch.Tensor:
+        """The block forward shared by propose, training and the SGLang model class. anchor_tokens /
+        last_position [N]; hidden_last [N, 5, d] or, already fused, fused_context [N, fusion_rank] (ignored
+        unless the state is injected); contexts: attention layer index -> its context window (missing =
+        block only). Returns normed hidden [N, k, d]."""
         cfg, N, k = self.config, anchor_tokens.shape[0], self.block_size
         ids = torch.full((N, k), cfg.mask_token_id, dtype=torch.long, device=anchor_tokens.device)
         ids[:, 0] = anchor_tokens
         x = self.embed(ids).to(self.norm.weight.dtype)
         positions = last_position[:, None] + 1 + torch.arange(k, device=x.device)
-        state0 = self.initial_state(hidden_last, N, x) if cfg.uses_mamba else None
+        state0 = self.initial_state(hidden_last, N, x, fused_context) if cfg.uses_mamba else None
         return self.run_layers(x, positions, state0, contexts)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, state0: torch.Tensor | None,
@@ -395,7 +425,7 @@ class DraftModel(nn.Module):
             if layer_id not in ctx.kv_views:
                 raise ValueError(f"{self.name} reads target layer {layer_id}'s KV but DraftContext.kv_views has "
                                  f"{sorted(ctx.kv_views)}; build views for drafter.kv_layer_ids")
-            out[i] = gather_window(ctx.kv_views[layer_id], ctx.last_position, self.window)
+            out[i] = gather_window(ctx.kv_views[layer_id], ctx.last_position, self.sliding_window)
         return out
 
     def train_contexts(self, hidden, kv, input_ids, last_position, rows) -> dict[int, WindowKV]:
@@ -404,8 +434,8 @@ class DraftModel(nn.Module):
             if layer_id not in kv:
                 raise ValueError(f"features.kv lacks target layer {layer_id}; request kv_layer_ids={self.kv_layer_ids}")
             K, V = kv[layer_id]
-            view = dense_window_view(K, V, last_position, self.window, row_index=rows)
-            out[i] = gather_window(view, last_position, self.window)
+            view = dense_window_view(K, V, last_position, self.sliding_window, row_index=rows)
+            out[i] = gather_window(view, last_position, self.sliding_window)
         return out
 
     # ---- engine API ----
@@ -435,13 +465,16 @@ class DraftModel(nn.Module):
         return DraftProposal(tokens=tokens, q=q, confidence_logits=conf)
 
     # ---- trainer API ----
-    def forward_train(self, features, input_ids: torch.Tensor, anchors: torch.Tensor) -> DraftOutput:
+    def forward_train(self, features, input_ids: torch.Tensor, anchors: torch.Tensor,
+                      anchor_valid: torch.Tensor | None = None) -> DraftOutput:
         """Teacher-forced forward over many anchors per sequence, in one batched call.
 
         features: TargetFeatures-like with `.hidden` [B, T, 5, d] for drafter.target_layer_ids (may be
         None when target_layer_ids is empty) and `.kv` {layer_id: (K, V) [B, kv, T, D] post-RoPE} for
         drafter.kv_layer_ids. anchors [B, A] (>= 1): anchor position a, last committed n = a-1, the block
         input is input_ids[a] + masks, slot j predicts input_ids[a+1+j] (see `block_labels`).
+        anchor_valid [B, A] bool (optional): only those blocks are computed (padded anchors cost
+        nothing); the others' outputs are 0.
         Returns logits [B, A, k, V_d] and confidence logits [B, A, k]."""
         B, T = input_ids.shape
         A = anchors.shape[1]
@@ -449,6 +482,9 @@ class DraftModel(nn.Module):
             raise ValueError(f"anchors must lie in 1..T-1 = 1..{T - 1} (the block needs position a-1 committed)")
         rows = torch.arange(B, device=input_ids.device).repeat_interleave(A)
         a = anchors.reshape(-1)
+        keep = None if anchor_valid is None else anchor_valid.reshape(-1).nonzero().squeeze(-1)
+        if keep is not None:
+            rows, a = rows[keep], a[keep]
         n = a - 1
         hidden = getattr(features, "hidden", None)
         hidden_last = hidden[rows, n] if (hidden is not None and self.state_proj is not None) else None
@@ -457,8 +493,12 @@ class DraftModel(nn.Module):
         k = self.block_size
         prev_pos = (a[:, None] + torch.arange(k, device=a.device)).clamp_max(T - 1)
         out = self.head_outputs(h, input_ids[rows[:, None], prev_pos])
-        conf = None if out.confidence_logits is None else out.confidence_logits.view(B, A, k)
-        return DraftOutput(out.logits.view(B, A, k, -1), conf)
+        logits, conf = out.logits, out.confidence_logits
+        if keep is not None:
+            logits = logits.new_zeros(B * A, *logits.shape[1:]).index_copy(0, keep, logits)
+            conf = None if conf is None else conf.new_zeros(B * A, k).index_copy(0, keep, conf)
+        conf = None if conf is None else conf.view(B, A, k)
+        return DraftOutput(logits.view(B, A, k, -1), conf)
 
     def block_labels(self, input_ids: torch.Tensor, anchors: torch.Tensor, ignore_index: int = -100):
         """(target ids [B, A, k], draft ids [B, A, k]) of the tokens each slot predicts (a+1+j);
@@ -478,6 +518,3 @@ class DraftModel(nn.Module):
     def owned_state_bytes(self) -> int:
         """Bytes of per-request state the drafter holds (H-Spec: none)."""
         return 0
-
-
-HSpecDraftModel = DraftModel

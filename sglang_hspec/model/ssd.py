@@ -6,17 +6,17 @@ initial_state [b, h, p, n]. Recurrence per head: S_t = exp(dt_t A) S_{t-1} + dt_
 y_t = S_t C_t + D x_t. Returns (y [b, L, h, p], final_state [b, h, p, n]).
 
 `ssd_block` is the single-chunk matrix form (the one the drafter runs; k = 7 tokens is one chunk).
-`ssd_naive` is the token-by-token recurrence, the oracle for tests. On CUDA with mamba_ssm present
-the drafter calls `mamba_chunk_scan_combined(initial_states=...)` instead (see `gpu_scan`).
+`ssd_naive` is the token-by-token recurrence, the oracle for tests. `mamba_block` is what the drafter
+calls: the torch block form on CPU, a Triton kernel on CUDA (see `scan_backend`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
+import logging
+import os
 
 import torch
+import torch.nn.functional as F
 
 
 def _heads(t: torch.Tensor, nheads: int) -> torch.Tensor:
@@ -59,29 +59,109 @@ def ssd_block(x, dt, A, B, C, D, initial_state):
     return y, final
 
 
-# ---- GPU path: mamba_ssm's Triton kernel, imported lazily and without running mamba_ssm/__init__ ----
-_GPU_SCAN = None
+# ---------------------------------------------------------------- kernel dispatch
+# GPU paths, chosen once per process (logged): SGLang's Triton `selective_state_update` over the whole
+# block (multi-token, state read but not written: forward only, one elementwise kernel, no autotune, so
+# CUDA-graph capturable; ships wherever SGLang does) for inference, and mamba_ssm's
+# `mamba_chunk_scan_combined` (forward + backward, `gpu` extra) for training. SGLang's own chunk scan is
+# not used: with `initial_states` it only runs on its varlen path (batch 1 + seq_idx + chunk indices);
+# without them its chunk-scan kernel loads from a None `chunk_indices` pointer (ssd_chunk_scan.py:248).
+SCAN_ENV = "HSPEC_MAMBA_SCAN"
+SCAN_CHOICES = ("auto", "sglang", "mamba_ssm", "torch")
+log = logging.getLogger(__name__)
+
+_KERNELS: dict[str, object] = {}  # backend -> kernel function or the ImportError that kept it out
+_LOGGED: set[tuple[str, str]] = set()
+SCANS_RUN: set[str] = set()  # backends that actually ran in this process (scripts/gpu_check.py reads it)
 
 
-def gpu_scan():
-    """mamba_chunk_scan_combined, or None when CUDA or mamba_ssm is missing. The package __init__
-    imports CUDA extensions we do not need, so a bare package object is registered instead (mamba2.md §6)."""
-    global _GPU_SCAN
-    if _GPU_SCAN is not None:
-        return _GPU_SCAN or None
-    _GPU_SCAN = False
-    if not torch.cuda.is_available():
-        return None
-    spec = importlib.util.find_spec("mamba_ssm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    try:
-        if "mamba_ssm" not in sys.modules:
-            pkg = types.ModuleType("mamba_ssm")
-            pkg.__path__ = list(spec.submodule_search_locations)
-            sys.modules["mamba_ssm"] = pkg
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:  # noqa: BLE001 - any import failure means "no GPU kernel": fall back to torch
-        return None
-    _GPU_SCAN = mamba_chunk_scan_combined
-    return _GPU_SCAN
+class ScanUnavailableError(RuntimeError):
+    """A CUDA forward found no Triton Mamba scan and the torch fallback was not asked for."""
+
+
+def _kernel(backend: str):
+    if backend not in _KERNELS:
+        try:
+            if backend == "sglang":
+                from sglang.kernels.ops.mamba.triton_ops.mamba_ssm import selective_state_update as fn
+            else:
+                from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as fn
+        except ImportError as e:
+            fn = e
+        _KERNELS[backend] = fn
+    return _KERNELS[backend]
+
+
+def _choice() -> str:
+    choice = os.environ.get(SCAN_ENV, "auto").strip().lower() or "auto"
+    if choice not in SCAN_CHOICES:
+        raise ValueError(f"{SCAN_ENV}={choice!r} is not a Mamba scan backend; use one of {', '.join(SCAN_CHOICES)}")
+    return choice
+
+
+def scan_backend(*, device: torch.device, needs_grad: bool) -> str:
+    """The scan a Mamba-2 layer runs for tensors on `device`: "torch" on CPU (exact, the reference);
+    on CUDA "sglang" (inference) or "mamba_ssm" (training or no SGLang). Raises ScanUnavailableError on
+    CUDA without a kernel unless HSPEC_MAMBA_SCAN=torch; HSPEC_MAMBA_SCAN forces one backend anywhere."""
+    choice = _choice()
+    if choice == "auto" and device.type != "cuda":
+        picked, why = "torch", "reference scan off CUDA"
+    elif choice == "torch":
+        picked, why = "torch", f"{SCAN_ENV}=torch"
+    elif choice != "auto":
+        if isinstance(_kernel(choice), ImportError):
+            raise ScanUnavailableError(f"{SCAN_ENV}={choice} but it cannot be imported: {_kernel(choice)}")
+        if needs_grad and choice == "sglang":
+            raise ScanUnavailableError(f"{SCAN_ENV}=sglang has no backward (SGLang's kernel is forward-only); "
+                                       f"train with {SCAN_ENV}=mamba_ssm (the `gpu` extra) or torch")
+        picked, why = choice, f"{SCAN_ENV}={choice}"
+    else:
+        order = ("mamba_ssm",) if needs_grad else ("sglang", "mamba_ssm")
+        picked = next((b for b in order if not isinstance(_kernel(b), ImportError)), None)
+        if picked is None:
+            reasons = "; ".join(f"{b}: {_kernel(b)}" for b in order)
+            need = ("training needs mamba_ssm's scan (it has a backward): pip install 'sglang-hspec[gpu]'"
+                    if needs_grad else "install SGLang (pip install 'sglang-hspec[sglang]') or mamba_ssm "
+                    "(pip install 'sglang-hspec[gpu]')")
+            raise ScanUnavailableError(f"no Triton Mamba-2 scan for a CUDA forward ({reasons}); {need}, or set "
+                                       f"{SCAN_ENV}=torch to run the pure-PyTorch scan (exact, slower)")
+        why = "training (backward needed)" if needs_grad else "inference"
+    if (picked, why) not in _LOGGED:
+        _LOGGED.add((picked, why))
+        log.info("Mamba-2 scan on %s: %s (%s)", device.type, picked, why)
+    return picked
+
+
+def sglang_block_scan(x, dt, A, B, C, D, dt_bias, initial_state):
+    """SGLang's Triton selective_state_update over all L tokens of the block from `initial_state`, with
+    the state left unwritten. Raw dt (the kernel adds dt_bias and applies softplus, threshold 20).
+    Head-wise A / dt / D / dt_bias enter as stride-0 views over head_dim (the kernel's tied-head path)."""
+    b, L, h, p = x.shape
+    n = B.shape[-1]
+    out = torch.empty_like(x)
+    _kernel("sglang")(initial_state.float(), x, dt[..., None].expand(b, L, h, p), A.float()[:, None, None].expand(h, p, n),
+                      B, C, D=D.float()[:, None].expand(h, p), dt_bias=dt_bias.float()[:, None].expand(h, p),
+                      dt_softplus=True, out=out, disable_state_update=True)
+    return out
+
+
+def mamba_block(x, dt, A, B, C, D, dt_bias, initial_state, *, chunk_size: int):
+    """The Mamba-2 scan of a block with the backend `scan_backend` picks: (y [b, L, h, p] in x.dtype,
+    final state [b, h, p, n] or None where the kernel does not return it: SGLang's serving kernel;
+    H-Spec re-derives the state every round). dt is raw (before dt_bias and softplus)."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, dt, A, B, C, D, dt_bias, initial_state))
+    backend = scan_backend(device=x.device, needs_grad=needs_grad)
+    SCANS_RUN.add(backend)
+    if backend == "sglang":
+        return sglang_block_scan(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), D, dt_bias,
+                                 initial_state.contiguous()), None
+    if backend == "mamba_ssm":
+        y, final = _kernel("mamba_ssm")(x.contiguous(), dt.contiguous(), A.float(), B.contiguous(), C.contiguous(),
+                                        chunk_size, D=D.float(), dt_bias=dt_bias.float(), dt_softplus=True,
+                                        initial_states=initial_state.float().contiguous(), return_final_states=True)
+        return y.to(x.dtype), final
+    ct = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64 (oracle tests)
+    dtp = F.softplus((dt + dt_bias).to(ct))  # threshold 20, as the kernels
+    y, final = ssd_block(x.to(ct), dtp, A.to(ct), B.to(ct), C.to(ct), D.to(ct), initial_state.to(ct))
+    return y.to(x.dtype), final

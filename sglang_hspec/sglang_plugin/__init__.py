@@ -56,7 +56,7 @@ def register() -> None:
     from .hooks import install_hooks
 
     register_algorithm()
-    install_hooks()  # the target reserves no drafter KV (sglang-integration.md §12.1)
+    install_hooks()  # the target reserves no drafter KV (hooks.py)
     from .sps_hooks import install as install_sps_hooks
 
     install_sps_hooks()  # SGLang's SPS profiler accepts HSPEC where it is imported (sps_hooks.py)

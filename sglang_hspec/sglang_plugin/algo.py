@@ -2,7 +2,7 @@
 
 `HSpecWorkerV2` inherits DSpark's proposer, heads, planner, verify/accept and overlap relay, so every
 branch those read (`is_dspark()`, `is_dflash_family()`, ...) must answer as for DSPARK; see
-shared/reference/sglang-integration.md §3 for each predicate's callers. Imports SGLang: import this
+docs/architecture.md ("Registration") for what reads each predicate. Imports SGLang: import this
 module only from `register()`.
 """
 
@@ -37,7 +37,7 @@ class HSpecSpecAlgo(CustomSpecAlgo):
         return False  # v1
 
     def has_draft_kv(self) -> bool:
-        return False  # the drafter reads the target's KV; (only sizing reads this, see §7)
+        return False  # the drafter reads the target's KV; (only sizing reads this: docs/architecture.md, "No drafter KV")
 
     # ---- the three methods CustomSpecAlgo lacks but the scheduler always calls ----
     def carries_draft_hidden_states(self) -> bool:
@@ -60,7 +60,7 @@ class HSpecSpecAlgo(CustomSpecAlgo):
         _args.handle_server_args(server_args)
 
     def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
-        # DSpark's rule, not inherited by CustomSpecAlgo: the draft block is the anchor plus gamma - 1
+        # DSpark's rule, not inherited by CustomSpecAlgo: the draft block is the anchor plus block_size - 1
         # masks (slot j predicts anchor + j + 1, sample_from_anchor), one row fewer than the verify window.
         return num_draft_tokens - 1 if is_draft_worker else num_draft_tokens
 

@@ -5,13 +5,17 @@ from the drafter's `config.json` (`architectures: ["HSpecDraftModel"]`, the `hsp
 `model.safetensors` exactly as `save_drafter` wrote it. It keeps DSpark's draft-model contract, so the
 inherited DSpark proposer, sampler, planner and verify run unchanged:
 
-- `forward` runs the drafter's layers over the block rows of a TARGET_VERIFY batch: Mamba-2 from the
-  state projected from the request's context row (`ContextState`, written at prefill and verify commit),
-  attention over the target's own KV pool read in place (`TargetKVView` "thd") plus the block's keys,
-  positions continued from the committed prefix; it returns the final-normed hidden rows;
-- `markov_head` / `confidence_head` are SGLang's `VanillaMarkov` / `DSparkConfidenceHead` over the full
-  target vocabulary, filled from the drafter's draft-vocabulary heads (ids outside the draft vocabulary
-  get base logit -inf, so the drafter proposes exactly the tokens it proposes in our engine).
+- `forward` runs the drafter's own block forward (`DraftModel.backbone`) over the block rows of a
+  TARGET_VERIFY batch: Mamba-2 from the state projected from the request's context row (`ContextState`,
+  written at prefill and verify commit), attention over the target's own KV pool read in place
+  (`PagedKVWindow`, sglang_hspec/kernels) plus the block's keys, positions continued from the
+  committed prefix; it returns the final-normed hidden rows;
+- the heads work over the draft vocabulary: `compute_base_logits` multiplies by the LM head's V_d
+  draft rows only (the drafter's cached `_draft_lm_weight`), and `markov_head` (`DraftVocabMarkov`)
+  is the drafter's own low-rank head over V_d. DSpark's sampler picks target ids by column and its
+  verify reads q over the target vocabulary, so both are laid out over V through d2t (columns outside
+  the draft vocabulary: base logit -inf, bias 0): the drafter proposes exactly the tokens it proposes
+  in our engine. `confidence_head` is SGLang's `DSparkConfidenceHead`, filled from the drafter's.
 
 Imports SGLang: imported only from the worker inside the scheduler process (and SGLang tests).
 """
@@ -21,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.models.dspark import (
-    VanillaMarkov,
+    BaseDSparkMarkovHead,
     build_confidence_head,
     gather_and_crop_vocab,
     project_through_lm_head,
@@ -31,11 +36,11 @@ from sglang.srt.models.dspark import (
 from sglang.srt.speculative.dspark_components.dspark_config import get_dspark_sample_from_anchor
 from torch import nn
 
+from sglang_hspec.kernels import FP8_DTYPES, PagedKVWindow
 from sglang_hspec.model.checkpoint import load_state_strict, sglang_capture_ids
 from sglang_hspec.model.config import HSpecConfig
-from sglang_hspec.model.hspec import DraftModel, gather_window
-
-from .context import pool_kv_view
+from sglang_hspec.model.hspec import DraftModel
+from sglang_hspec.model.ssd import scan_backend
 
 ARCHITECTURE = "HSpecDraftModel"
 
@@ -46,6 +51,32 @@ def _hspec_section(config) -> dict:
         raise ValueError("the drafter's config.json has no 'hspec' section; write H-Spec drafters with "
                          "sglang_hspec.model.checkpoint.save_drafter")
     return section
+
+
+class DraftVocabMarkov(BaseDSparkMarkovHead):
+    """DSpark's Markov-head contract over the drafter's own draft-vocabulary head (W1 [V_d + 1, r] by
+    draft id, W2 [r -> V_d]): previous target ids map through t2d (ids outside the draft vocabulary
+    share W1's spare row), the V_d bias is laid out over the target vocabulary through d2t (0 elsewhere,
+    where the base logit is -inf). No [V, r] copies of the weights."""
+
+    def __init__(self, drafter: DraftModel):
+        super().__init__()
+        self.vocab_size = drafter.config.target.vocab_size
+        self.markov_rank = drafter.config.markov_rank
+        self._drafter = (drafter,)  # not a child: the weights belong to (and load with) the drafter
+
+    def get_prev_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
+        d = self._drafter[0]
+        return d.markov.markov_w1(d.target_to_draft()[token_ids.long()])
+
+    def step_bias(self, prev_tokens, *, hidden_states, state):
+        d = self._drafter[0]
+        bias = d.markov.markov_w2(self.get_prev_embeddings(prev_tokens))  # [bs, V_d]
+        full = bias.new_zeros(*bias.shape[:-1], self.vocab_size)
+        return full.index_copy_(-1, d.d2t, bias), state
+
+    def step_logits_dtype(self, base_dtype: torch.dtype) -> torch.dtype:
+        return torch.promote_types(base_dtype, self._drafter[0].markov.markov_w1.weight.dtype)
 
 
 class HSpecDraftModel(nn.Module):
@@ -74,8 +105,8 @@ class HSpecDraftModel(nn.Module):
         if not self.sample_from_anchor:
             raise ValueError("H-Spec drafters run with sample_from_anchor true (the anchor row predicts the "
                              "first draft token); fix the drafter's config.json")
-        self.gamma = cfg.block_size
-        self.markov_head = VanillaMarkov(vocab_size=t.vocab_size, markov_rank=cfg.markov_rank)
+        self.block_size = cfg.block_size
+        self.markov_head = DraftVocabMarkov(self.drafter)
         self.confidence_head = build_confidence_head(config)  # None in static verify mode
         if self.confidence_head is not None and not cfg.confidence_head:
             raise ValueError("this H-Spec drafter has no confidence head, which SGLANG_RAGGED_VERIFY_MODE "
@@ -87,17 +118,18 @@ class HSpecDraftModel(nn.Module):
         capture = sglang_capture_ids(cfg)
         self.register_buffer("_hidden_columns", torch.tensor([capture.index(i) for i in cfg.target_layer_ids]),
                              persistent=False)
-        self.register_buffer("_outside_draft_vocab", torch.zeros(t.vocab_size, dtype=torch.bool),
-                             persistent=False)
         self.context_state = None  # ContextState, set by HSpecWorkerV2
         self._target_kv_pool = None
         self._req_to_token: torch.Tensor | None = None
+        self._kv_scale_layers: dict[int, nn.Module] = {}
 
     # ---- DSpark draft-model contract ----
     def attach_shared_modules(self, *, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.drafter._target = (embed_tokens, lm_head)
+        if getattr(lm_head, "quant_method", None) is None and lm_head.weight.device.type != "meta":
+            self.drafter._draft_lm_weight()  # gather the V_d head rows now, not inside a captured graph
 
     def forward_embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -105,20 +137,26 @@ class HSpecDraftModel(nn.Module):
     def prune_to_ctx_kv_injection(self) -> None:
         """Nothing to prune: the drafter keeps no KV of its own (DSpark calls this on PD prefill)."""
 
-    def compute_base_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target LM head over the final-normed draft rows (the drafter's base logits, laid out over the
-        whole target vocabulary), and the confidence features (the same rows)."""
+    def draft_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Base logits [N, V_d] of the final-normed draft rows: the LM head's draft-vocabulary rows only
+        (a quantized or vocabulary-sharded head projects whole, then keeps the d2t columns)."""
         if self.lm_head is None:
             raise RuntimeError("HSpecDraftModel needs the target lm_head (attach_shared_modules)")
         h = hidden if not self.logits_mup_width_multiplier else hidden / self.logits_mup_width_multiplier
+        d = self.drafter
+        if getattr(self.lm_head, "quant_method", None) is None and int(getattr(self.lm_head, "tp_size", 1)) == 1:
+            w, b = d._draft_lm_weight()  # [V_d, d] rows, gathered once
+            return F.linear(h.to(w.dtype), w, b)
         local = project_through_lm_head(h, self.lm_head)
-        V = self.hspec_config.target.vocab_size
-        # a single-rank head holds the whole (maybe padded) vocabulary: no collective needed
-        logits = gather_and_crop_vocab(local, self.lm_head) if int(getattr(self.lm_head, "tp_size", 1)) > 1 \
-            else local[..., :V]
-        if self.hspec_config.draft_vocab_size < V:
-            logits = logits.masked_fill(self._outside_draft_vocab, float("-inf"))
-        return logits, hidden
+        full = gather_and_crop_vocab(local, self.lm_head) if int(getattr(self.lm_head, "tp_size", 1)) > 1 else local
+        return full.index_select(-1, d.d2t)
+
+    def compute_base_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft-vocabulary base logits laid out over the target vocabulary (-inf outside it: DSpark's
+        sampler picks target ids by column), and the confidence features (the same rows)."""
+        draft = self.draft_vocab_logits(hidden)
+        full = draft.new_full((*draft.shape[:-1], self.hspec_config.target.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.drafter.d2t, draft), hidden
 
     def compute_confidence(self, *, anchor_tokens, draft_tokens, confidence_features):
         return self.confidence_head.predict(confidence_features, anchor_tokens=anchor_tokens,
@@ -135,70 +173,87 @@ class HSpecDraftModel(nn.Module):
         rows = hidden.view(hidden.shape[0], -1, H).index_select(1, self._hidden_columns)  # [n, 5, H]
         return proj.fused(rows)
 
-    def bind_target_kv(self, target_pool, req_to_token: torch.Tensor) -> None:
+    def bind_target_kv(self, target_pool, req_to_token: torch.Tensor, *, target_model: nn.Module | None = None) -> None:
         """Read attention context from the target's KV pool (called before the attention backends are
-        built). Checks that every mapped target layer has the drafter's KV geometry."""
+        built). Checks that every mapped target layer has the drafter's KV geometry and a dtype the
+        drafter can read; an FP8 pool also needs `target_model`, whose attention layers hold the
+        per-layer k/v scales (SGLang's RadixAttention.k_scale_float / v_scale_float)."""
         t = self.hspec_config.target
+        if getattr(target_pool, "is_quantized_kv_cache", False):
+            raise ValueError("HSPEC reads the target KV pool in place and supports --kv-cache-dtype auto, bf16, "
+                             "fp8_e4m3 and fp8_e5m2, not block-scaled FP4/MXFP8 pools; pick one of those")
+        fp8 = False
         for layer_id in self.drafter.kv_layer_ids:
-            shape = tuple(target_pool.get_key_buffer(layer_id).shape[1:])
+            buffer = target_pool.get_key_buffer(layer_id)
+            shape = tuple(buffer.shape[1:])
             if shape != (t.num_key_value_heads, t.head_dim):
                 raise ValueError(f"target KV layer {layer_id} stores [kv_heads, head_dim] = {shape}, the "
                                  f"drafter expects {(t.num_key_value_heads, t.head_dim)} (tensor parallelism "
                                  "that shards KV heads is not supported yet)")
+            if not (buffer.dtype.is_floating_point and buffer.dtype.itemsize >= 2) and buffer.dtype not in FP8_DTYPES:
+                raise ValueError(f"target KV layer {layer_id} is stored as {buffer.dtype}, which the drafter cannot "
+                                 "read; serve with --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2")
+            fp8 = fp8 or buffer.dtype in FP8_DTYPES
+        self._kv_scale_layers = {}
+        if fp8:
+            if target_model is None:
+                raise ValueError("the target KV pool is FP8: pass target_model to bind_target_kv so the drafter "
+                                 "reads the target's k/v scales")
+            from sglang.srt.layers.radix_attention import RadixAttention
+
+            layers = {m.layer_id: m for m in target_model.modules() if isinstance(m, RadixAttention)}
+            missing = [i for i in self.drafter.kv_layer_ids if i not in layers]
+            if missing:
+                raise ValueError(f"FP8 KV pool: the target model has no RadixAttention with layer_id {missing}, "
+                                 "so their k/v scales are unknown; serve with --kv-cache-dtype auto")
+            self._kv_scale_layers = {i: layers[i] for i in self.drafter.kv_layer_ids}
         self._target_kv_pool = target_pool
         self._req_to_token = req_to_token
+
+    def _kv_scales(self, layer_id: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of a target layer's KV, by the rule SGLang's attention backends read them
+        with (triton_backend: the *_scale_float values when k_scale and v_scale are set, else 1.0). Read
+        per forward: the target's weight loading may set them after bind_target_kv."""
+        layer = self._kv_scale_layers.get(layer_id)
+        if layer is None or layer.k_scale is None or layer.v_scale is None:
+            return 1.0, 1.0
+        return float(layer.k_scale_float or 1.0), float(layer.v_scale_float or 1.0)
 
     # ---- forward: the block rows of a TARGET_VERIFY batch ----
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
                 input_embeds: torch.Tensor | None = None, **_) -> LogitsProcessorOutput:
+        """The drafter's block forward. The block is [anchor, mask x (block_size - 1)] at positions
+        n+1..n+block_size (DSpark builds input_ids and positions that way); `backbone` rebuilds the mask
+        columns and positions from the anchors and seq_lens, so input_embeds and positions are not read."""
         d = self.drafter
-        bs, k = int(forward_batch.batch_size), self.gamma
-        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        x = x.view(bs, k, -1).to(d.norm.weight.dtype)
-        positions = positions.view(bs, k)
+        bs, k = int(forward_batch.batch_size), self.block_size
+        anchors = input_ids.view(bs, k)[:, 0]
         req = forward_batch.req_pool_indices[:bs]
         last = forward_batch.seq_lens[:bs].to(torch.long) - 1  # last committed position n
-        state0 = None
-        if self.hspec_config.uses_mamba:
-            if d.state_proj is not None:
-                state0 = d.state_proj.state(self.context_state.read(req))
-            else:
-                state0 = d.initial_state(None, bs, x)
+        fused = self.context_state.read(req) if d.state_proj is not None else None
         contexts = {}
-        window = min(d.window, self._req_to_token.shape[1])
-        if last.device.type == "cpu" and bs > 0:
-            # On CPU reading the lengths costs no device sync and no graph fixes the shape: gather only the
-            # committed positions instead of a mostly-masked 2048-wide window (10x less work at short context).
-            window = min(window, int(last.max()) + 1)
         for i, layer_id in enumerate(d.kv_layer_ids):
-            view = pool_kv_view(key_buffer=self._target_kv_pool.get_key_buffer(layer_id),
-                                value_buffer=self._target_kv_pool.get_value_buffer(layer_id),
-                                req_to_token=self._req_to_token, req_pool_indices=req,
-                                prefix_lens=last + 1, window=window)
-            contexts[i] = gather_window(view, last, d.window)
-        hidden = d.run_layers(x, positions, state0, contexts).reshape(bs * k, -1)
+            # read in place by the attention layer (sglang_hspec/kernels: Triton on CUDA, torch on CPU)
+            k_scale, v_scale = self._kv_scales(layer_id)
+            contexts[i] = PagedKVWindow(key_buffer=self._target_kv_pool.get_key_buffer(layer_id),
+                                        value_buffer=self._target_kv_pool.get_value_buffer(layer_id),
+                                        req_to_token=self._req_to_token, req_pool_indices=req, seq_lens=last + 1,
+                                        sliding_window=d.sliding_window, k_scale=k_scale, v_scale=v_scale)
+        hidden = d.backbone(anchors, last, None, contexts, fused_context=fused).reshape(bs * k, -1)
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
 
     # ---- weights: exactly save_drafter's model.safetensors ----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_state_strict(self.drafter, dict(weights), what="the H-Spec drafter checkpoint (write it with save_drafter)")
-        self._fill_sglang_heads()
+        self._fill_confidence_head()
+        d = self.drafter
+        if self.hspec_config.uses_mamba:  # choose (and log) the Mamba scan at startup: a missing kernel fails here
+            scan_backend(device=d.d2t.device, needs_grad=False)
+        d.target_to_draft()  # build the t2d map now, not inside the first captured graph
 
     @torch.no_grad()
-    def _fill_sglang_heads(self) -> None:
-        """Lay the draft-vocabulary heads out over the whole target vocabulary, as DSpark's runtime reads
-        them: W1 rows by target id (ids outside the draft vocabulary share W1's spare row), W2 rows zero
-        outside the draft vocabulary (their base logit is -inf anyway)."""
+    def _fill_confidence_head(self) -> None:
         d = self.drafter
-        V = self.hspec_config.target.vocab_size
-        all_ids = torch.arange(V, device=d.d2t.device)
-        self.markov_head.markov_w1.weight.copy_(d.markov.markov_w1.weight[d.to_draft_ids(all_ids)])
-        w2 = self.markov_head.markov_w2.weight
-        w2.zero_()
-        w2[d.d2t] = d.markov.markov_w2.weight.to(w2.dtype)
-        outside = torch.ones(V, dtype=torch.bool, device=d.d2t.device)
-        outside[d.d2t] = False
-        self._outside_draft_vocab.copy_(outside)
         if self.confidence_head is not None:
             self.confidence_head.proj.weight.copy_(d.confidence.weight)
             self.confidence_head.proj.bias.copy_(d.confidence.bias)

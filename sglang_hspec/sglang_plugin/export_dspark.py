@@ -1,5 +1,5 @@
 """Export our `dspark` baseline drafter to SGLang's own DSpark checkpoint layout, so the builtin
-`--speculative-algorithm DSPARK` serves it (sglang-integration.md §11; no SGLang import here).
+`--speculative-algorithm DSPARK` serves it (docs/architecture.md, "Checkpoint format"; no SGLang import here).
 
     python -m sglang_hspec.sglang_plugin.export_dspark <save_drafter dir> <out dir> [--tokenizer-from <target>]
 

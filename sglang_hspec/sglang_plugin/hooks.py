@@ -1,6 +1,6 @@
-"""HookRegistry patches of SGLang 0.5.23 for HSPEC (shared/reference/sglang-integration.md §12).
+"""HookRegistry patches of SGLang 0.5.23 for HSPEC (docs/architecture.md, "SGLang internals we hook").
 
-Drafter-KV reservation (§7, §12.1). HSPEC impersonates the DFlash family, so SGLang's target resolves
+Drafter-KV reservation (docs/architecture.md, "No drafter KV"). HSPEC impersonates the DFlash family, so SGLang's target resolves
 `spec_aux_config.dflash_draft_num_layers` / `draft_kv_num_layers` from the drafter's config.json and
 sizes its KV pool as if a drafter pool of that many layers shared the budget
 (`pool_configurator.py` scales the per-token cost by (L_target + L_draft) / L_target, or adds the

@@ -1,6 +1,6 @@
 """HookRegistry hooks: on HSPEC servers, SGLang's DSpark planner takes its two decisions from
 `sglang_hspec.scheduler.planner`, the code the reference engine and the scheduler tests run
-(shared/reference/sglang-integration.md §5 "Planner", §10).
+(docs/architecture.md, "SGLang internals we hook").
 
 SGLang 0.5.23 computes them in two pure functions, which are the seams (AROUND hooks; every other server
 runs SGLang's own):
@@ -21,7 +21,7 @@ Both modes that schedule (compact, cap-accept) go through these two functions.
 Conventions translated here: SGLang's verify length counts the anchor (`min_verify_len` + admitted draft
 tokens, clamped to [max(min_verify_len, 1), max_verify_len]); candidates beyond `max_verify_len` columns are
 not offered; `survival_eps` is our `min_survival`. The SPS table object SGLang loaded (either layout) is
-re-read by our strict loader once (`SpsCurve`). Two differences from SGLang's arithmetic remain, both
+converted field by field into our validated struct once per table object (no second parse) for `SpsCurve`. Two differences from SGLang's arithmetic remain, both
 documented in docs/scheduler.md: our floor table reads 0 steps/s beyond `max_batch_tokens` (SGLang keeps
 the last probe), so the budget never plans past the table's capacity (a WARNING at first use when that is
 below the server's verify capacity); additive tables interpolate with `np.interp` (equal up to rounding).
@@ -38,7 +38,9 @@ import msgspec
 import torch
 
 from sglang_hspec.scheduler import planner
-from sglang_hspec.scheduler.sps import SpsCurve, sps_table_from_json
+from sglang_hspec.scheduler.sps import SpsAdditiveCostTable, SpsCostTable, SpsCurve
+
+from .sglang_names import block_size_from_gamma, sglang_num_draft_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,12 @@ def sps_curve(sps_table) -> SpsCurve:
     global _curve_cache
     if _curve_cache is not None and _curve_cache[0] is sps_table:
         return _curve_cache[1]
-    ours = sps_table_from_json(msgspec.json.encode(sps_table).decode(), source="loaded by SGLang's DSpark planner")
+    kind = SpsAdditiveCostTable if hasattr(sps_table, "bias_seconds") else SpsCostTable
+    try:  # SGLang's struct has our field names: convert its attributes, validated by our __post_init__
+        ours = msgspec.convert(sps_table, type=kind, from_attributes=True)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"the SPS table SGLang's DSpark planner loaded is not a valid {kind.__name__}: {e}; "
+                         "re-profile it with `hspec profile-sps --url`") from e
     curve = SpsCurve(ours)
     _curve_cache = (sps_table, curve)
     return curve
@@ -90,10 +97,11 @@ def _announce(*, sps_table, cfg) -> None:
     logger.info("HSPEC: verify budget and per-request verify lengths from sglang_hspec.scheduler.planner "
                 "(budget_choice over the survivals SGLang relays with its lag, topk_lengths over this step's)")
     table_capacity = getattr(sps_table, "max_batch_tokens", None)  # floor tables only
+    num_draft_tokens = sglang_num_draft_tokens(block_size=block_size_from_gamma(cfg.gamma))
     try:
         from sglang.srt.runtime_context import get_schedule
 
-        capacity = int(get_schedule().max_running_requests or 0) * (cfg.gamma + 1)
+        capacity = int(get_schedule().max_running_requests or 0) * num_draft_tokens
     except ValueError:  # no server arguments published (not a server process)
         capacity = 0
     if table_capacity is not None and table_capacity < capacity:
@@ -101,12 +109,12 @@ def _announce(*, sps_table, cfg) -> None:
             "HSPEC: the SPS table's max_batch_tokens=%d is below this server's verify capacity (%d = "
             "max running requests x %d verify tokens): the planner never plans past %d batch tokens "
             "(anchor only beyond). Profile the table for this configuration (hspec profile-sps --url).",
-            table_capacity, capacity, cfg.gamma + 1, table_capacity)
+            table_capacity, capacity, num_draft_tokens, table_capacity)
 
 
 def hspec_verify_token_budget(*, history_survival_probs: torch.Tensor, sps_table, cfg):
     """`compute_verify_token_budget` by our planner: the budget (draft tokens above the anchors) that
-    maximises tau* x SPS over SGLang's lagged survivals [N, gamma] (host)."""
+    maximises tau* x SPS over SGLang's lagged survivals [N, block_size] (host)."""
     from sglang.srt.speculative.dspark_components.dspark_planner import VerifyBudgetDecision
 
     _announce(sps_table=sps_table, cfg=cfg)

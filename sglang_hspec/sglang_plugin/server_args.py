@@ -19,14 +19,19 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sglang_hspec.model.checkpoint import check_against_target
+from sglang_hspec.model.checkpoint import check_against_target, read_checkpoint_config
 from sglang_hspec.model.config import SLOT_CONVENTION, HSpecConfig
 from sglang_hspec.target.geometry import TargetGeometry
+
+from .sglang_names import sglang_num_draft_tokens
 
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "HSPEC"
 DEFAULT_MAX_RUNNING_REQUESTS = 48  # as DSpark's resolver (speculative_hook._handle_dspark)
+# KV pools the drafter's attention reads in place (sglang_hspec/kernels): the model dtype, or per-tensor
+# FP8 with the target layers' k/v scales; block-scaled MXFP8 / FP4 pools are not readable yet
+READABLE_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 # config fields that mark MLA / DeepSeek sparse attention targets (their KV is a latent, not per-head K/V)
 _MLA_FIELDS = ("kv_lora_rank", "index_topk")
@@ -63,7 +68,15 @@ def _config_json(path: str | Path, what: str) -> dict[str, Any]:
         ) from e
 
 
-def read_drafter_config(draft_path: str | Path) -> HSpecConfig:
+def read_drafter_config(draft_path: str | Path, target: TargetGeometry | None = None) -> HSpecConfig:
+    """The drafter's config from its config.json; with `target`, a drafter built for another target names the
+    mismatched geometry fields (e.g. num_hidden_layers 24 vs 30) rather than a symptom of them."""
+    check_drafter_json(draft_path)
+    return read_checkpoint_config(draft_path, target)
+
+
+def check_drafter_json(draft_path: str | Path) -> None:
+    """What SGLang itself needs of an H-Spec drafter's config.json (before our config is read)."""
     raw = _config_json(draft_path, "--speculative-draft-model-path")
     if "hspec" not in raw:
         raise ValueError(
@@ -79,14 +92,13 @@ def read_drafter_config(draft_path: str | Path) -> HSpecConfig:
             "sglang_hspec.model.checkpoint.config_json (older save_drafter versions wrote 'hspec')"
         )
     if raw.get("sample_from_anchor", True) is not True:
-        # SGLang's DSpark runtime reads this flag: False means a gamma + 1 row block whose anchor row is
+        # SGLang's DSpark runtime reads this flag: False means a block_size + 1 row block whose anchor row is
         # dropped (DFlash's slot j -> anchor + j), which silently drops acceptance to ~1 for our drafters.
         raise ValueError(
             f"{draft_path!s}/config.json sets sample_from_anchor={raw['sample_from_anchor']!r}, but H-Spec "
             f"drafters use DSpark's slot convention ({SLOT_CONVENTION}: the anchor row predicts the first "
             "draft token), which SGLang runs with sample_from_anchor true; set it to true"
         )
-    return HSpecConfig.from_dict(raw["hspec"])
 
 
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -136,16 +148,22 @@ def validate_server_args(server_args: Any) -> None:
         raise ValueError("HSPEC does not support prefill/decode disaggregation yet; drop --disaggregation-mode")
     if getattr(server_args, "enable_unified_memory", False):
         raise ValueError("HSPEC does not support --enable-unified-memory")
+    kv_dtype = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
+    if kv_dtype not in READABLE_KV_CACHE_DTYPES:
+        raise ValueError(f"HSPEC does not support --kv-cache-dtype {kv_dtype}: the drafter reads the target's KV "
+                         "pool in place and dequantises per-tensor FP8 only; use one of "
+                         f"{', '.join(READABLE_KV_CACHE_DTYPES)}")
     raw = _config_json(server_args.model_path, "--model-path")
     reason = unsupported_target_reason(raw)
     if reason:
         raise ValueError(f"HSPEC cannot serve target {server_args.model_path!s}: {reason}")
-    drafter = read_drafter_config(server_args.speculative_draft_model_path)
     try:
         geometry = target_geometry(raw)
     except ValueError as e:
         raise ValueError(f"HSPEC cannot serve target {server_args.model_path!s}: {e}") from e
+    check_drafter_json(server_args.speculative_draft_model_path)
     try:
+        drafter = read_checkpoint_config(server_args.speculative_draft_model_path, geometry)
         check_against_target(drafter, geometry)
     except ValueError as e:
         raise ValueError(
@@ -161,19 +179,16 @@ def validate_server_args(server_args: Any) -> None:
         )
 
 
-def num_draft_tokens(drafter: HSpecConfig) -> int:
-    return drafter.block_size + 1
-
-
 def handle_server_args(server_args: Any) -> None:
     """Resolve the speculative arguments as DSpark does (`_handle_dspark`), from the drafter checkpoint."""
     drafter = read_drafter_config(server_args.speculative_draft_model_path)
-    window = num_draft_tokens(drafter)
+    num_draft_tokens = sglang_num_draft_tokens(block_size=drafter.block_size)
     explicit = getattr(server_args, "speculative_num_draft_tokens", None)
-    if explicit is not None and int(explicit) != window:
+    if explicit is not None and int(explicit) != num_draft_tokens:
         raise ValueError(
             f"--speculative-num-draft-tokens {explicit} does not match the drafter: its block size is "
-            f"{drafter.block_size}, so the verify window is {window} tokens; drop the flag or pass {window}"
+            f"{drafter.block_size}, so each request verifies {num_draft_tokens} tokens (the anchor and the "
+            f"block); drop the flag or pass {num_draft_tokens}"
         )
     block = getattr(server_args, "speculative_dspark_block_size", None)
     if block is not None and int(block) != drafter.block_size:
@@ -186,7 +201,7 @@ def handle_server_args(server_args: Any) -> None:
         if value is not None and int(value) != 1:
             logger.warning("HSPEC drafts one block per step; overriding %s=%s to 1", name, value)
         setattr(server_args, name, 1)
-    server_args.speculative_num_draft_tokens = window
+    server_args.speculative_num_draft_tokens = num_draft_tokens
     if getattr(server_args, "max_running_requests", None) is None:
         server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
     if getattr(server_args, "enable_mixed_chunk", False):
@@ -194,7 +209,7 @@ def handle_server_args(server_args: Any) -> None:
     server_args.enable_mixed_chunk = False
     from .sps_cache import resolve_sps_table
 
-    resolve_sps_table(server_args, verify_tokens=window)  # given table, cached auto-profile, or a WARNING
+    resolve_sps_table(server_args, block_size=drafter.block_size)  # given table, cached auto-profile, or a WARNING
 
 
 # SGLang's resolution step that resolves --speculative-algorithm (an overridable step in 0.5.23's

@@ -10,6 +10,11 @@
 - none and no auto-profile: a WARNING says that every request verifies its full block and how to get a
   table. Never silent.
 
+With `HSPEC_SPECULATION=auto` (speculation_policy.py) the table must also carry plain-decode probes: the
+auto-profile then measures a second, never-drafting profiling server (`profile_with_server(plain_probes=
+True)`), a cached table without them is re-profiled, and a given one without them, a non-compact mode or
+no table at all stop the launch with the fix.
+
 The table reaches SGLang's planner as `speculative_dspark_sps_table_path` (a declared server-argument write).
 No SGLang import here: the key and path logic is unit-tested anywhere.
 """
@@ -26,14 +31,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sglang_hspec.core.atomic import atomic_write_text
+
+from . import sps_profile  # one way: sps_profile never imports this module
+from .speculation_policy import POLICY_ENV, speculation_policy
+
 logger = logging.getLogger(__name__)
 
 AUTO_PROFILE_ENV = "HSPEC_AUTO_PROFILE_SPS"
 BATCH_SIZES_ENV = "HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES"  # e.g. "1,2,4,8"; default: up to the server's capacity
 STEADY_STEPS_ENV = "HSPEC_AUTO_PROFILE_SPS_STEADY_STEPS"
 STEADY_SECONDS_ENV = "HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS"
-# Set in the profiling server's environment: it must neither profile itself nor warn about its missing table.
-PROFILING_SERVER_ENV = "HSPEC_SPS_PROFILING_SERVER"
 RAGGED_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 SCHEDULED_MODES = ("compact", "cap-accept")  # SGLang's modes whose planner reads the SPS table
 CACHE_SUBDIR = "sps"
@@ -167,8 +175,8 @@ def auto_profile_settings(environ: dict[str, str] | None = None) -> dict[str, An
     return out
 
 
-def no_table_warning(*, mode: str, verify_tokens: int | None, auto_profile: bool) -> str:
-    block = f"its full block of {verify_tokens - 1} draft tokens" if verify_tokens else "its full draft block"
+def no_table_warning(*, mode: str, block_size: int | None, auto_profile: bool) -> str:
+    block = f"its full block of {block_size} draft tokens" if block_size else "its full draft block"
     if mode not in SCHEDULED_MODES:
         why = (f"{RAGGED_MODE_ENV}={mode}: every request verifies {block} (fixed k); the SPS table only "
                f"feeds the prefix scheduler of {RAGGED_MODE_ENV}=compact (or cap-accept).")
@@ -184,60 +192,85 @@ def no_table_warning(*, mode: str, verify_tokens: int | None, auto_profile: bool
             f"or {PROFILE_COMMAND}.")
 
 
-def _check_table(path: str | os.PathLike) -> None:
+def _check_table(path: str | os.PathLike, *, need_plain: bool = False) -> None:
     from sglang_hspec.scheduler import load_sps_table
 
     table = load_sps_table(path)  # ValueError naming the field and the fix
     if table.uninitialised:
         raise ValueError(f"SPS table {path} is SGLang's one-probe placeholder (a flat curve): the planner "
                          "would verify every block in full; profile a real table (hspec profile-sps --url)")
+    if need_plain and not getattr(table, "has_plain", False):
+        raise ValueError(f"SPS table {path} has no plain-decode probes (plain_batch_sizes), which "
+                         f"{POLICY_ENV}=auto weighs speculation against: profile one with {AUTO_PROFILE_ENV}=1 "
+                         f"(it measures both), or `hspec profile-sps --url ... --plain-url ...`")
 
 
-def resolve_sps_table(server_args: Any, *, verify_tokens: int | None = None,
+def check_speculation_policy(*, policy: str, mode: str, has_table: bool, auto_profile: bool) -> None:
+    """Launch check of `HSPEC_SPECULATION=auto`: it needs compact verify (confidences and anchor-only
+    layouts) and a table with plain-decode probes (given, or auto-profiled)."""
+    if policy != "auto":
+        return
+    if mode != "compact":
+        raise ValueError(f"{POLICY_ENV}=auto skips the drafter where plain decoding is faster, which needs "
+                         f"{RAGGED_MODE_ENV}=compact (got {mode!r}): set {RAGGED_MODE_ENV}=compact")
+    if not has_table and not auto_profile:
+        raise ValueError(f"{POLICY_ENV}=auto needs this server's step costs: set {AUTO_PROFILE_ENV}=1 (profiled "
+                         f"once, with plain-decode probes, cached under {sps_cache_dir()}) or pass "
+                         "--speculative-dspark-sps-table-path with a table from `hspec profile-sps --url ... "
+                         "--plain-url ...`")
+
+
+def resolve_sps_table(server_args: Any, *, block_size: int | None = None,
                       environ: dict[str, str] | None = None) -> Path | None:
     """Decide the server's SPS table (module docstring); sets `server_args.speculative_dspark_sps_table_path`
     when a cached or freshly profiled table is used. Returns the table path, or None."""
     env = os.environ if environ is None else environ
-    given = getattr(server_args, "speculative_dspark_sps_table_path", None)
-    if given:
-        _check_table(given)
-        logger.info("HSPEC: SPS table %s (--speculative-dspark-sps-table-path)", given)
-        return Path(given)
-    if env_flag(PROFILING_SERVER_ENV, env):
+    if env_flag(sps_profile.PROFILING_SERVER_ENV, env):
         return None  # this is the auto-profile's own measuring server
+    given = getattr(server_args, "speculative_dspark_sps_table_path", None)
     mode = env.get(RAGGED_MODE_ENV, "static").strip() or "static"
     auto = env_flag(AUTO_PROFILE_ENV, env)
+    policy = speculation_policy(env)
+    check_speculation_policy(policy=policy, mode=mode, has_table=bool(given), auto_profile=auto)
+    need_plain = policy == "auto"
+    if given:
+        _check_table(given, need_plain=need_plain)
+        logger.info("HSPEC: SPS table %s (--speculative-dspark-sps-table-path)", given)
+        return Path(given)
     if not auto or mode not in SCHEDULED_MODES:
-        logger.warning(no_table_warning(mode=mode, verify_tokens=verify_tokens, auto_profile=auto))
+        logger.warning(no_table_warning(mode=mode, block_size=block_size, auto_profile=auto))
         return None
     key = SpsCacheKey.from_server_args(server_args)
     path = table_path_for(key)
     if path.is_file():
         try:
-            _check_table(path)
+            _check_table(path, need_plain=need_plain)
         except ValueError as e:
             logger.warning("HSPEC: cached SPS table %s is unusable (%s); profiling a new one", path, e)
         else:
             logger.info("HSPEC: reusing cached SPS table %s (%s)", path, key)
             server_args.speculative_dspark_sps_table_path = str(path)
             return path
-    from .sps_profile import profile_with_server  # imports SGLang's profiler: only when we must measure
 
     logger.warning("HSPEC: %s=1 and no cached SPS table for %s: profiling once with a short-lived server "
                    "(this start takes longer; later starts reuse %s)", AUTO_PROFILE_ENV, key, path)
     try:
-        profile_with_server(out=path, settings=auto_profile_settings(env))
+        sps_profile.profile_with_server(out=path, settings=auto_profile_settings(env), plain_probes=need_plain)
     except Exception as e:  # the server still starts, without a table, and says so
+        if need_plain:
+            raise RuntimeError(f"HSPEC: SPS auto-profile failed ({e}); {POLICY_ENV}=auto cannot run without "
+                               "the step costs it measures") from e
         logger.error("HSPEC: SPS auto-profile failed (%s). %s", e,
-                     no_table_warning(mode=mode, verify_tokens=verify_tokens, auto_profile=False))
+                     no_table_warning(mode=mode, block_size=block_size, auto_profile=False))
         return None
-    key_sidecar(path).write_text(json.dumps(asdict(key), indent=2) + "\n")
+    atomic_write_text(key_sidecar(path), json.dumps(asdict(key), indent=2) + "\n")
     logger.info("HSPEC: profiled SPS table cached at %s", path)
     server_args.speculative_dspark_sps_table_path = str(path)
     return path
 
 
 __all__ = [
-    "AUTO_PROFILE_ENV", "SpsCacheKey", "auto_profile_settings", "device_name", "model_identity",
+    "AUTO_PROFILE_ENV", "SpsCacheKey", "auto_profile_settings", "check_speculation_policy", "device_name",
+    "model_identity",
     "no_table_warning", "resolve_sps_table", "sps_cache_dir", "table_path_for",
 ]

@@ -1,5 +1,5 @@
 """HookRegistry hooks that let SGLang's own SPS profiler (`sglang.benchmark.dspark_sps_profiler`) measure an
-HSPEC server (shared/reference/sglang-integration.md §12.2).
+HSPEC server (docs/architecture.md, "SGLang internals we hook").
 
 The profiler reads DSpark's per-step records from `/server_info` (`SGLANG_DSPARK_ENABLE_SPS_RECORD=1`).
 HSPEC's worker is DSpark's worker (`is_dspark()` is True), so an HSPEC server records the same steps; only

@@ -37,6 +37,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # The profiling environment SGLang's profiler checks on the server (fetch_server_context).
+# Set in the profiling server's environment: it must neither profile itself nor warn about its missing table.
+PROFILING_SERVER_ENV = "HSPEC_SPS_PROFILING_SERVER"
 PROFILING_SERVER_ENVIRONMENT = {
     "SGLANG_RAGGED_VERIFY_MODE": "static",
     "SGLANG_DSPARK_ENABLE_SPS_RECORD": "1",
@@ -184,31 +186,75 @@ def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float
         time.sleep(1.0)
 
 
-def profile_with_server(*, out: str | os.PathLike, settings: dict[str, Any] | None = None,
-                        argv: list[str] | None = None, startup_timeout: float = 1800.0) -> None:
-    """Start a profiling server from this launcher's command line, profile it into `out`, stop it. The
-    table is written under a temporary name and moved into place, so a reader never sees a partial file."""
-    from .sps_cache import PROFILING_SERVER_ENV
+def with_plain_probes(spec, plain, *, verify_tokens: int):
+    """`spec` (an HSPEC server's SGLang-profiled table) extended with the plain-decode probes of `plain`
+    (the same server profiled with `HSPEC_SPECULATION=never`: every step verifies the anchor only). SGLang's
+    profiler files a probe of bs requests under bs x verify_tokens batch tokens; plain probes are per
+    request count. No drafter column: SGLang's step times already include the draft forward."""
+    import msgspec
 
-    out = Path(out)
-    port = _free_port()
-    cmd = relaunch_argv(argv, port=port)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / f".{out.stem}.tmp-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    log_path = out.with_name(out.stem + ".server.log")
-    env = {**os.environ, **PROFILING_SERVER_ENVIRONMENT, PROFILING_SERVER_ENV: "1"}
+    from sglang_hspec.scheduler.sps import SpsCostTable
+
+    if verify_tokens < 1:
+        raise ValueError(f"verify_tokens must be >= 1, got {verify_tokens}")
+    sizes = [bt // verify_tokens for bt in plain.sample_batch_tokens]
+    if any(bt % verify_tokens for bt in plain.sample_batch_tokens):
+        raise ValueError(f"the plain profile's batch tokens {plain.sample_batch_tokens} are not multiples of "
+                         f"{verify_tokens} verify tokens per request; profile both servers with one configuration")
+    if not isinstance(spec, SpsCostTable):
+        raise ValueError(f"plain-decode probes extend floor SPS tables only, got {type(spec).__name__}")
+    return msgspec.structs.replace(spec, plain_batch_sizes=sizes, plain_steps_per_sec=list(plain.sample_steps_per_sec))
+
+
+def _profile_once(*, cmd: list[str], port: int, out: Path, log_path: Path, env: dict[str, str],
+                  settings: dict[str, Any], startup_timeout: float) -> int:
+    """One profiling server: start, profile into `out`, stop. Returns its verify tokens per request."""
     logger.info("HSPEC SPS auto-profile: starting a profiling server on port %d (log %s)", port, log_path)
     with open(log_path, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(proc, url, log_path, startup_timeout)
-        profile_server(url=url, out=work / out.name, **(settings or {}))
+        verify_tokens = int(_get_json(url + "/server_info")["speculative_num_draft_tokens"])
+        profile_server(url=url, out=out, **settings)
     finally:
         _stop(proc)
+    return verify_tokens
+
+
+def profile_with_server(*, out: str | os.PathLike, settings: dict[str, Any] | None = None,
+                        argv: list[str] | None = None, startup_timeout: float = 1800.0,
+                        plain_probes: bool = False) -> None:
+    """Start a profiling server from this launcher's command line, profile it into `out`, stop it. With
+    `plain_probes`, a second profiling server that never drafts (`HSPEC_SPECULATION=never`) measures plain
+    decode steps at the same request counts, and the table gains `plain_batch_sizes` /
+    `plain_steps_per_sec` (what `HSPEC_SPECULATION=auto` weighs speculation against). The table is written
+    under a temporary name and moved into place, so a reader never sees a partial file."""
+    from sglang_hspec.scheduler.sps import load_sps_table, save_sps_table
+
+    from .speculation_policy import POLICY_ENV
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.stem}.tmp-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = {**os.environ, **PROFILING_SERVER_ENVIRONMENT, PROFILING_SERVER_ENV: "1", POLICY_ENV: "always"}
+    port = _free_port()
+    verify_tokens = _profile_once(cmd=relaunch_argv(argv, port=port), port=port, out=work / out.name,
+                                  log_path=out.with_name(out.stem + ".server.log"), env=env,
+                                  settings=settings or {}, startup_timeout=startup_timeout)
     table = work / out.name
+    if plain_probes:
+        plain = work / "plain" / out.name
+        plain.parent.mkdir()
+        port = _free_port()
+        _profile_once(cmd=relaunch_argv(argv, port=port), port=port, out=plain,
+                      log_path=out.with_name(out.stem + ".plain.server.log"), env={**env, POLICY_ENV: "never"},
+                      settings={**(settings or {}), "plot": False}, startup_timeout=startup_timeout)
+        save_sps_table(with_plain_probes(load_sps_table(table), load_sps_table(plain),
+                                         verify_tokens=verify_tokens), table)
+        shutil.rmtree(plain.parent, ignore_errors=True)
     for f in sorted(work.iterdir(), key=lambda p: p == table):  # the table last
         os.replace(f, out.parent / f.name)
     shutil.rmtree(work, ignore_errors=True)
@@ -245,6 +291,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-steady-seconds", type=float, default=10.0, help="steady seconds per probe (default 10)")
     g.add_argument("--round-timeout", type=float, default=300.0, help="seconds per probe before giving up")
     g.add_argument("--tokenizer-path", default=None, help="tokenizer, if the server's path is not readable here")
+    g.add_argument("--plain-url", default=None,
+                   help="base URL of the same server configuration launched with HSPEC_SPECULATION=never: its "
+                        "steps are plain decode steps, stored as the table's plain-decode probes (what "
+                        "HSPEC_SPECULATION=auto needs)")
     parser.set_defaults(batch_tokens=None, repeats=None)
 
     def run(args: argparse.Namespace) -> int:
@@ -256,12 +306,21 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         if args.step_fn or args.factory_arg or args.batch_tokens is not None:
             raise ValueError("--step-fn, --factory-arg and --batch-tokens profile the reference engine; with "
                              "--url give the running-request counts with --batch-size")
-        table = profile_server(
-            url=args.url, out=args.out, batch_sizes=args.batch_size, input_len=args.input_len,
-            temperature=args.temperature, min_steady_steps=args.min_steady_steps,
-            min_steady_seconds=args.min_steady_seconds, round_timeout=args.round_timeout,
-            repeats=args.repeats or 1, max_batch_tokens=args.max_batch_tokens, tokenizer_path=args.tokenizer_path,
-        )
+        common = dict(batch_sizes=args.batch_size, input_len=args.input_len, temperature=args.temperature,
+                      min_steady_steps=args.min_steady_steps, min_steady_seconds=args.min_steady_seconds,
+                      round_timeout=args.round_timeout, repeats=args.repeats or 1,
+                      max_batch_tokens=args.max_batch_tokens, tokenizer_path=args.tokenizer_path)
+        table = profile_server(url=args.url, out=args.out, **common)
+        if args.plain_url:
+            from sglang_hspec.scheduler.sps import save_sps_table
+
+            plain_out = Path(args.out).with_name(Path(args.out).stem + ".plain.json")
+            plain = profile_server(url=args.plain_url, out=plain_out, plot=False, **common)
+            verify_tokens = int(_get_json(args.plain_url.rstrip("/") + "/server_info")["speculative_num_draft_tokens"])
+            table = with_plain_probes(table, plain, verify_tokens=verify_tokens)
+            save_sps_table(table, args.out)
+            for n, s in zip(table.plain_batch_sizes, table.plain_steps_per_sec):
+                print(f"{n:>7d} requests {s:10.2f} plain steps/s")
         for bt, s in zip(table.sample_batch_tokens, table.sample_steps_per_sec):
             print(f"{bt:>7d} tokens  {s:10.2f} steps/s")
         out = Path(args.out)
@@ -272,4 +331,5 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
-__all__ = ["add_server_arguments", "default_batch_sizes", "profile_server", "profile_with_server", "relaunch_argv"]
+__all__ = ["add_server_arguments", "default_batch_sizes", "profile_server", "profile_with_server", "relaunch_argv",
+           "with_plain_probes"]

@@ -1,14 +1,14 @@
-"""`HSpecWorkerV2`: SGLang's DSpark worker with H-Spec's drafter (shared/reference/sglang-integration.md
-§5-§8). Inherited unchanged: block proposal, Markov/confidence heads, STS, SPS planner, verify/accept,
+"""`HSpecWorkerV2`: SGLang's DSpark worker with H-Spec's drafter (docs/architecture.md,
+"One request through the SGLang worker"). Inherited unchanged: block proposal, Markov/confidence heads, STS, SPS planner, verify/accept,
 overlap relay and `_forward_prefill` / `_forward_decode`; the planner's two decisions (verify budget,
 per-request lengths) come from `sglang_hspec.scheduler.planner` through `planner_hooks.py`. Replaced:
 
 - memory: no drafter KV pool. The draft runner gets a dummy 64-token pool for SGLang's bookkeeping and
-  is then bound to the target's pool, before the attention backends capture it (§7);
+  is then bound to the target's pool, before the attention backends capture it (docs/architecture.md, "No drafter KV");
 - context: per-request projected target hidden states (`ContextState`) instead of injected drafter KV,
   written from the prefill capture (last prompt row) and the verify capture (row commit_lens - 1);
 - draft model: architectures ["HSpecDraftModel"], whose attention reads the target KV pool in place
-  (`context.pool_kv_view`, TargetKVView layout "thd").
+  (`PagedKVWindow`: sglang_hspec/kernels, Triton on CUDA, FP8 pools with the target's k/v scales).
 
 Imports SGLang; imported only by the worker factory inside the scheduler process.
 """
@@ -23,7 +23,17 @@ from sglang.srt.speculative.base_spec_worker import HiCacheDraftPlan
 from sglang.srt.speculative.dspark_components.dspark_verify import TargetVerifyExecutor
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
 
+from sglang_hspec.model import hspec as _hspec_model
+
 from .context import ContextState, drafter_kv_bytes_saved, prefill_last_rows, verify_commit_rows
+from .speculation_policy import speculation_policy
+from .speculation_switch import (
+    AnchorOnlyPlanner,
+    AnchorOnlyProposer,
+    RecordingBudgetPlanner,
+    SpeculationSwitch,
+)
+from .step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +133,23 @@ class HSpecWorkerV2(DSparkWorkerV2):
         )
         self._verify_executor.__class__ = HSpecVerifyExecutor  # same state, H-Spec's commit
         self._verify_executor.kv_injector = self._kv_injector
+        # Steps without drafting (speculation_switch.py); the switch needs the request pool, built later.
+        self._speculation_policy = speculation_policy()
+        self._switch: SpeculationSwitch | None = None
+        self._anchor_only_proposer = AnchorOnlyProposer(self._proposer)
+        self._anchor_only_planner = AnchorOnlyPlanner(self._verify_planner, model_runner=self.model_runner)
+        budget_planner = getattr(self._verify_planner, "_budget_planner", None)
+        if budget_planner is not None:
+            budget_planner.__class__ = RecordingBudgetPlanner  # same state; keeps the stale confidences it reads
+        if self._speculation_policy == "auto" and not self._verify_planner.carries_confidence:
+            raise RuntimeError(
+                "HSPEC_SPECULATION=auto decides from the drafter's relayed confidences, which SGLang computes only "
+                "with a ragged verify mode: launch with SGLANG_RAGGED_VERIFY_MODE=compact")
+        self._step_timer = StepTimer.from_env()
+        if self._step_timer is not None:
+            self._instrument(self._step_timer)
 
-    # ---- memory: no drafter KV (§7) ----
+    # ---- memory: no drafter KV (docs/architecture.md, "No drafter KV") ----
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None,
                           token_to_kv_pool_allocator=None):
         if not self._hosts_draft:
@@ -142,7 +167,8 @@ class HSpecWorkerV2(DSparkWorkerV2):
         # Before init_attention_backends: backends (and CUDA graphs) capture the pool they are built on.
         self.draft_model_runner.token_to_kv_pool = target_pool
         req_to_token = req_to_token_pool.req_to_token
-        self.draft_model.bind_target_kv(target_pool, req_to_token)
+        # the target model's attention layers hold the FP8 pool's k/v scales
+        self.draft_model.bind_target_kv(target_pool, req_to_token, target_model=self.model_runner.model)
         cfg = self.draft_model.hspec_config
         self._context = ContextState(
             req_pool_size=req_to_token.shape[0], rank=cfg.fusion_rank, project=self.draft_model.project_context,
@@ -150,6 +176,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
         )
         self._kv_injector.state = self._context
         self.draft_model.context_state = self._context
+        self._switch = self._build_switch(req_pool_size=req_to_token.shape[0])
         saved = drafter_kv_bytes_saved(
             max_total_tokens=memory_pool_config.max_total_num_tokens,
             num_attention_layers=cfg.num_attention_layers, num_kv_heads=cfg.target.num_key_value_heads,
@@ -165,3 +192,106 @@ class HSpecWorkerV2(DSparkWorkerV2):
 
     def _build_hicache_draft_plan(self) -> HiCacheDraftPlan:
         return HiCacheDraftPlan()
+
+    # ---- steps without drafting (speculation_switch.py) ----
+    def _build_switch(self, *, req_pool_size: int) -> SpeculationSwitch | None:
+        policy = self._speculation_policy
+        if policy == "always":
+            return None
+        costs = step_costs() if policy == "auto" else None
+        switch = SpeculationSwitch(policy=policy, costs=costs, block_size=self.gamma, req_pool_size=req_pool_size,
+                                   min_survival=self._verify_planner._schedule_cfg.survival_eps)
+        budget_planner = getattr(self._verify_planner, "_budget_planner", None)
+        if budget_planner is not None:
+            budget_planner.stale_confidences = switch.stale
+        logger.info("HSPEC: speculation policy %s (HSPEC_SPECULATION): %s", policy,
+                    "decode without drafting where plain decoding is faster, probing while off" if policy == "auto"
+                    else "every decode step without drafting (anchor-only verify)")
+        return switch
+
+    def _draft_this_step(self, batch) -> bool:
+        if self._switch is None:
+            return True
+        rows = batch.req_pool_indices_cpu
+        if rows is None:
+            return True  # no host copy of the slots: deciding would need a device read-back
+        generation = self.model_runner.req_to_token_pool.req_generation[rows.to(torch.long)]
+        return self._switch.should_draft(rows=rows, generation=generation)
+
+    def _forward_decode(self, batch, on_publish, grammar_barrier=None, coordination_plan=None):
+        timer = self._step_timer
+        if batch.forward_mode.is_idle() or coordination_plan is not None:
+            if timer is not None:
+                timer.note_non_decode_step()
+            return super()._forward_decode(batch, on_publish, grammar_barrier, coordination_plan)
+        draft = self._draft_this_step(batch)
+        if timer is not None:
+            timer.begin_step(kind="draft" if draft else "plain")
+        try:
+            if draft:
+                return super()._forward_decode(batch, on_publish, grammar_barrier, coordination_plan)
+            # DSpark's own decode path, with the proposer and planner of a step without drafting
+            proposer, planner = self._proposer, self._verify_planner
+            self._proposer, self._verify_planner = self._anchor_only_proposer, self._anchor_only_planner
+            try:
+                return super()._forward_decode(batch, on_publish, grammar_barrier, coordination_plan)
+            finally:
+                self._proposer, self._verify_planner = proposer, planner
+        finally:
+            if timer is not None:
+                timer.end_step()
+
+    # ---- HSPEC_STEP_PROFILE (step_timer.py) ----
+    def _instrument(self, timer: StepTimer) -> None:
+        """Time SGLang's components of a decode step (bound methods of this worker's objects only)."""
+        wrap = timer.wrap
+        for proposer in (self._proposer, self._anchor_only_proposer):
+            proposer.propose = wrap(proposer.propose, "draft")
+        self.draft_model_runner.forward = wrap(self.draft_model_runner.forward, "draft.forward")
+        self.draft_model.forward = wrap(self.draft_model.forward, "draft.model")
+        # the window read is fused into the attention over the pool (sglang_hspec/kernels): time that call
+        _hspec_model.paged_block_attention = wrap(_hspec_model.paged_block_attention, "draft.kv_view")
+        for planner in (self._verify_planner, self._anchor_only_planner):
+            planner.resolve_verify_token_budget = wrap(planner.resolve_verify_token_budget, "planner")
+            planner.schedule_layout = wrap(planner.schedule_layout, "planner")
+        executor = self._verify_executor
+        executor.run_compact = wrap(executor.run_compact, "verify")
+        executor.run_non_compact = wrap(executor.run_non_compact, "verify")
+        executor.accept_and_finalize = wrap(executor.accept_and_finalize, "accept")
+        executor.commit_hidden = wrap(executor.commit_hidden, "commit")
+        self._observers.observe_verify_step = wrap(self._observers.observe_verify_step, "observe")
+
+    def get_confidence_budget_prepare(self):
+        prepare = super().get_confidence_budget_prepare()
+        timer = getattr(self, "_step_timer", None)
+        if prepare is None or timer is None:
+            return prepare
+        return timer.wrap(prepare, "prepare")
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, *, pp_proxy_tensors=None):
+        timer = getattr(self, "_step_timer", None)
+        if timer is not None and (batch.forward_mode.is_extend() or batch.is_extend_in_batch):
+            timer.note_non_decode_step()
+        return super().forward_batch_generation(batch, on_publish, grammar_barrier,
+                                                pp_proxy_tensors=pp_proxy_tensors)
+
+
+def step_costs():
+    """`StepCosts` of this server for `HSPEC_SPECULATION=auto`: the SPS table SGLang's planner was given,
+    read with our loader (it keeps the plain-decode probes SGLang's struct drops)."""
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_hspec.scheduler.sps import load_sps_table
+    from sglang_hspec.scheduler.switch import StepCosts
+
+    path = get_spec().speculative_dspark_sps_table_path
+    if not path:
+        raise RuntimeError("HSPEC_SPECULATION=auto weighs speculation against plain decoding with this server's SPS "
+                           "table, and none was given: set HSPEC_AUTO_PROFILE_SPS=1 (profiled and cached at launch) "
+                           "or pass --speculative-dspark-sps-table-path from `hspec profile-sps --url`")
+    table = load_sps_table(path)
+    if not getattr(table, "has_plain", False):
+        raise RuntimeError(f"HSPEC_SPECULATION=auto needs plain-decode probes in the SPS table, and {path} has none "
+                           "(profiled before they existed, or by SGLang's profiler alone): re-profile it (delete the "
+                           "cached table and restart with HSPEC_AUTO_PROFILE_SPS=1, or `hspec profile-sps --url`)")
+    return StepCosts(table)

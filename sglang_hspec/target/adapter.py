@@ -10,6 +10,14 @@ head_dim] per layer where row b holds its tokens at time index == absolute posit
 [0, lengths[b]). Requests of different lengths share one batch without holes, rollback after a
 rejected draft is O(1) (`truncate` just lowers `lengths`; stale entries are masked, then
 overwritten), and a drafter reads any layer's post-RoPE keys in place through a `TargetKVView`.
+
+Batch-invariant mode (`TargetAdapter(..., batch_invariant=True)`): the attention of every forward runs
+through `batch_invariant_attention`, whose reductions are sequential left-to-right sums in fp32 per
+query row, so a row's result does not depend on how many tokens share its forward or on how many
+masked key columns follow its own. Hugging Face's SDPA path does: a one-token decode packs the GQA
+groups into the query axis while an 8-token verify repeats K/V, and in bf16 the two differ by an
+ulp often enough to flip a greedy near-tie. Linear layers are left as they are: see
+`linear_rows_are_batch_invariant` (docs/results.md, "bf16 greedy identity").
 """
 
 from __future__ import annotations
@@ -24,6 +32,76 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from sglang_hspec.target.geometry import TargetGeometry
 from sglang_hspec.target.hf_compat import cache_kwarg, call_with_cache, forward_with_kv
 from sglang_hspec.target.kv_view import TargetKVView, window_indices
+
+BATCH_INVARIANT_ATTENTION = "hspec_batch_invariant"
+_QUERY_CHUNK = 8  # queries per chunk: bounds the [chunk, keys, head_dim] products; rows are independent
+
+
+def _sequential_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` in a fixed left-to-right order (a CPU cumsum is a sequential scan per line), so a
+    value's partial sums never depend on the length of the line past it or on the other lines."""
+    return x.cumsum(dim).select(dim, -1)
+
+
+def batch_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, scaling: float | None = None,
+                              dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention with Hugging Face's attention-function signature (query [B, H, L, D], key / value
+    [B, kv_heads, T, D], additive or boolean mask [B, 1, L, T]) whose result for one query row is the same
+    whatever L and T are: scores, softmax denominator and the weighted sum of V are fp32 sequential
+    sums; masked keys get probability exactly 0 and so add exactly 0. Returns [B, L, H, D] in the
+    query's dtype. Slower than SDPA (elementwise products instead of GEMMs): a correctness mode."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sliding_window"):
+        raise ValueError("batch-invariant attention supports plain softmax attention only (no softcap, attention "
+                         "sinks or sliding window): load the target without batch_invariant")
+    if dropout:
+        raise ValueError("batch-invariant attention is an inference mode: dropout must be 0")
+    b, h, length, d = query.shape
+    groups = h // key.shape[1]
+    acc = torch.promote_types(query.dtype, torch.float32)  # fp32, or fp64 for a float64 model
+    k = key.to(acc).repeat_interleave(groups, dim=1)[:, :, None]  # [B, H, 1, T, D]
+    v = value.to(acc).repeat_interleave(groups, dim=1)[:, :, None]
+    scale = d ** -0.5 if scaling is None else scaling
+    t = k.shape[3]
+    if attention_mask is None and length > 1 and kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        # HF skips the mask of a purely causal forward (SDPA's is_causal): queries are the last `length` keys
+        attention_mask = (torch.arange(t, device=query.device)[None, :]
+                          <= torch.arange(t - length, t, device=query.device)[:, None])[None, None]
+    out = query.new_empty((b, length, h, d))
+    for lo in range(0, length, _QUERY_CHUNK):
+        q = query[:, :, lo:lo + _QUERY_CHUNK].to(acc)
+        scores = _sequential_sum(q[:, :, :, None, :] * k, dim=-1) * scale  # [B, H, l, T]
+        if attention_mask is not None:
+            m = attention_mask[:, :, lo:lo + _QUERY_CHUNK, :t]
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.to(acc)
+        probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+        denom = _sequential_sum(probs, dim=-1)
+        weighted = _sequential_sum(probs[..., None] * v, dim=3)  # [B, H, l, D]
+        out[:, lo:lo + _QUERY_CHUNK] = (weighted / denom[..., None]).transpose(1, 2).to(query.dtype)
+    return out, None
+
+
+def _register_batch_invariant_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(BATCH_INVARIANT_ATTENTION, batch_invariant_attention)
+    # masks HF builds itself (training's 2-D padding masks) come in SDPA's boolean form, which it reads
+    AttentionMaskInterface.register(BATCH_INVARIANT_ATTENTION, sdpa_mask)
+
+
+@torch.no_grad()
+def linear_rows_are_batch_invariant(*, dtype: torch.dtype, in_features: int = 576, out_features: int = 1536,
+                                    rows: tuple[int, ...] = (2, 8, 9, 33), device: str | torch.device = "cpu",
+                                    seed: int = 0) -> bool:
+    """Whether this machine's `F.linear` gives row 0 bit-identical results whether it runs alone or with
+    other rows (M = 1 vs the `rows` sizes): the property the batch-invariant mode relies on for the
+    linear layers and leaves to the GEMM library. The default shape is SmolLM2-135M's MLP."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen).to(device=device, dtype=dtype)
+    x = torch.randn(max(rows), in_features, generator=gen).to(device=device, dtype=dtype)
+    alone = torch.nn.functional.linear(x[:1], weight)
+    return all(torch.equal(torch.nn.functional.linear(x[:m], weight)[:1], alone) for m in rows)
 
 
 class _RaggedLayer(CacheLayerMixin):
@@ -117,7 +195,7 @@ class TargetFeatures:
 class TargetAdapter:
     """A frozen Hugging Face causal LM (Llama / Qwen2 / Qwen3 families) for batches of sequences."""
 
-    def __init__(self, model: nn.Module, *, tokenizer=None):
+    def __init__(self, model: nn.Module, *, tokenizer=None, batch_invariant: bool = False):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -135,6 +213,10 @@ class TargetAdapter:
         self.cache: RaggedKVCache | None = None
         # looked up once (every decode step passes it); fails now on a model that takes no KV cache
         self._cache_arg = cache_kwarg(model)
+        self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant:  # the model object itself switches: every forward of it, ours or not
+            _register_batch_invariant_attention()
+            model.set_attn_implementation(BATCH_INVARIANT_ATTENTION)
 
     @property
     def device(self) -> torch.device:

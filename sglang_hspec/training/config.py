@@ -18,9 +18,9 @@ class StrictModel(BaseModel):
 
 class ModelSection(StrictModel):
     kind: Literal["hspec", "dflash", "dspark", "dflash_target_kv", "hspec_kv_only", "hspec_last_token_only"]
-    # "smollm2" (the embedded target), "tiny" (sglang_hspec.assets.tiny, with target_kwargs) or a local
+    # "embedded" (SmolLM2-135M-Instruct; "smollm2" is an alias), "tiny" (sglang_hspec.assets.tiny, with target_kwargs) or a local
     # Hugging Face model directory
-    target: str = "smollm2"
+    target: str = "embedded"
     target_kwargs: dict[str, Any] = {}
     target_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     block_size: int = 7
@@ -32,6 +32,10 @@ class ModelSection(StrictModel):
     drafter: dict[str, Any] = {}
     # initialise the drafter from a checkpoint directory (fresh optimizer)
     init_from: str | None = None
+    # fresh drafter weights: "random", or "target_layers": each attention layer (q/k/v/o, its norms and the
+    # MLP after it) copied from the target layer whose KV it reads, the last MLP from the target's last
+    # layer and the final norm from the target's: the untrained drafter is a shallow layer-skip copy
+    init: Literal["random", "target_layers"] = "random"
 
     @model_validator(mode="after")
     def _check(self) -> ModelSection:
@@ -39,6 +43,9 @@ class ModelSection(StrictModel):
             raise ValueError(f"model.block_size must be >= 1, got {self.block_size}")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ValueError(f"model.target_layer_ids has duplicates: {self.target_layer_ids}")
+        if self.init != "random" and self.init_from is not None:
+            raise ValueError(f"model.init={self.init} and model.init_from={self.init_from} both initialise the "
+                             "drafter; keep one (init_from loads every weight)")
         stray = [i for i in self.kv_layer_ids if i not in self.target_layer_ids]
         if stray:
             raise ValueError(
@@ -68,6 +75,10 @@ class DataSection(StrictModel):
     max_length: int = 2048
     num_anchors: int = 512
     batch_size: int = 1  # sequences per process per micro-batch
+    # directory of per-example target features (safetensors shards, built on first use and reused by every
+    # later epoch and run on the same target and data; see sglang_hspec/training/features.py for its size)
+    feature_cache: str | None = None
+    feature_cache_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 halves the disk; fp32 keeps the loss exact
 
     @model_validator(mode="after")
     def _check(self) -> DataSection:
@@ -90,7 +101,10 @@ class TrainingSection(StrictModel):
     tv_weight: float = 0.9
     conf_weight: float = 1.0
     gamma_decay: float = 4.0
-    bf16: bool = True  # autocast the target and drafter forwards (fp32 master weights)
+    bf16: bool = True  # autocast the target and drafter forwards where bf16 is native (fp32 master weights)
+    # throughput levers (each can be switched off to measure it: scripts/bench_train.py)
+    target_probs_once: bool = True  # target softmax once per position, not once per slot reading it
+    pack_anchors: bool = True  # no drafter or loss compute on padded anchors and masked slots
     seed: int = 0
     output_dir: str = "runs/train"
     save_every: int = 0  # 0: only the final checkpoint
@@ -179,7 +193,13 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"training config {path} not found; see configs/train_*.yaml")
-    data = yaml.load(path.read_text(), Loader=_Loader) or {}
+    try:
+        data = yaml.load(path.read_text(), Loader=_Loader) or {}
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        raise ValueError(f"training config {path} is not valid YAML{at} ({getattr(e, 'problem', None) or e}); "
+                         "fix it, or start from configs/train_*.yaml") from None
     if not isinstance(data, dict):
         raise ValueError(f"training config {path} must be a mapping with model / data / training sections")
     return config_from_dict(apply_overrides(data, list(overrides or [])), source=str(path))

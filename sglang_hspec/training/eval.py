@@ -39,6 +39,8 @@ class _Tally:
     spec_tokens: int = 0
     spec_seconds: float = 0.0
     identical: bool = True
+    identical_prompts: int = 0  # greedy outputs equal to plain decoding's, token for token
+    first_divergence: int | None = None  # earliest output index where a prompt's two outputs differ
 
     def __post_init__(self) -> None:
         k = self.block_size
@@ -61,6 +63,12 @@ class _Tally:
         self.spec_tokens += len(spec.output_ids)
         self.spec_seconds += spec_seconds
         self.identical &= plain.output_ids == spec.output_ids
+        from sglang_hspec.engine.identity import first_difference
+
+        at = first_difference(plain.output_ids, spec.output_ids)
+        self.identical_prompts += at is None
+        if at is not None:
+            self.first_divergence = at if self.first_divergence is None else min(self.first_divergence, at)
 
     def summary(self, dataset: str, temperature: float) -> dict:
         plain_tps = self.plain_tokens / self.plain_seconds if self.plain_seconds else 0.0
@@ -80,6 +88,8 @@ class _Tally:
             "speedup": spec_tps / plain_tps if plain_tps else None,
             # sampling draws differ between the two runs by design; only greedy output must match
             "identical_to_plain": self.identical if temperature == 0 else None,
+            "identical_prompts": self.identical_prompts if temperature == 0 else None,
+            "first_divergence": self.first_divergence if temperature == 0 else None,
         }
 
 
@@ -142,9 +152,9 @@ def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list
     drafter, in the order given (the shape `evaluate` returns)."""
     from sglang_hspec.assets.prompts import chat_input_ids
     from sglang_hspec.calibration.records import ConfidenceRecorder
+    from sglang_hspec.core.types import SamplingParams
     from sglang_hspec.engine.drafters import NoDrafter
     from sglang_hspec.engine.engine import SpeculativeEngine
-    from sglang_hspec.engine.types import SamplingParams
 
     n = len(drafters)
     policies = policies or [None] * n
@@ -174,7 +184,7 @@ def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list
                 recorder = None
                 if record_dir is not None:
                     stem = Path(record_dir) / f"{_slug(name)}_t{temperature:g}"
-                    recorder = ConfidenceRecorder(stem, gamma=drafter.block_size, meta={
+                    recorder = ConfidenceRecorder(stem, block_size=drafter.block_size, meta={
                         "drafter": drafter.name, "dataset": name, "temperature": temperature})
                 recorders.append(recorder)
                 engines.append(SpeculativeEngine(adapter, drafter, policy=policy, confidence_recorder=recorder,
@@ -207,6 +217,7 @@ def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list
         "max_new_tokens": max_new_tokens,
         "temperatures": temperatures,
         "dtype": str(adapter.dtype).replace("torch.", ""),
+        "batch_invariant": adapter.batch_invariant,
         "results": summaries[i],
         "requests": requests[i],
         "confidence_shards": shards[i],
@@ -221,16 +232,29 @@ def _fmt(x, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def same_as_plain_cell(result: dict) -> str:
+    """`yes (5/5)`, `NO: 3/5 (first diff @9)`, or n/a under sampling (draws differ by design)."""
+    if result["identical_to_plain"] is None:
+        return "n/a"
+    n, same = result["prompts"], result.get("identical_prompts")
+    if same is None:  # a payload written before the per-prompt counts
+        return "yes" if result["identical_to_plain"] else "NO"
+    if result["identical_to_plain"]:
+        return f"yes ({same}/{n})"
+    return f"NO: {same}/{n} (first diff @{result['first_divergence']})"
+
+
 def markdown_table(payload: dict) -> str:
     k = payload["block_size"]
     head = ["dataset", "T", "prompts", "tau", *(f"a{j + 1}" for j in range(k)), "plain tok/s", "spec tok/s",
             "speedup", "same as plain"]
     lines = [f"Drafter `{payload['drafter']}`, k = {k}, {payload['max_new_tokens']} new tokens, batch 1, "
-             f"{payload['dtype']} target. tau counts the bonus token; "
+             f"{payload['dtype']}{' batch-invariant' if payload.get('batch_invariant') else ''} target. "
+             "tau counts the bonus token; "
              "a_j = P(slot j kept | earlier slots kept).",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in payload["results"]:
-        same = {True: "yes", False: "NO", None: "n/a"}[r["identical_to_plain"]]
+        same = same_as_plain_cell(r)
         cells = [r["dataset"], f"{r['temperature']:g}", str(r["prompts"]), _fmt(r["tau"]),
                  *(_fmt(a) for a in r["alpha"]), _fmt(r["plain_tokens_per_second"], ".1f"),
                  _fmt(r["spec_tokens_per_second"], ".1f"),
@@ -350,8 +374,10 @@ def plot_alpha(payloads: list[dict], path: str | Path, *, min_attempts: int = 10
 
 
 def run_cli(args) -> int:
-    from sglang_hspec.engine.loading import default_drafter_spec, load_drafter_spec, load_target
+    from sglang_hspec.engine.loading import default_drafter_spec, load_drafter_spec
+    from sglang_hspec.engine.options import check_engine_flags
     from sglang_hspec.engine.policies import make_policy
+    from sglang_hspec.target.loading import load_target
 
     temperatures = parse_temperatures(args.temperature)
     if args.max_new_tokens < 1:
@@ -360,9 +386,11 @@ def run_cli(args) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.alpha_plot and not args.compare:
         raise ValueError("--alpha-plot compares drafters: add at least one --compare DRAFTER")
-    prompts = load_eval_prompts(datasets=args.datasets, prompts_file=args.prompts, limit=args.limit)
-    adapter = load_target(args.target, dtype=args.dtype)
     specs = [args.drafter or default_drafter_spec(), *(args.compare or [])]
+    for spec in specs:  # before the target loads: a bad flag combination fails at once
+        check_engine_flags(args, spec)
+    prompts = load_eval_prompts(datasets=args.datasets, prompts_file=args.prompts, limit=args.limit)
+    adapter = load_target(args.target, dtype=args.dtype, batch_invariant=args.batch_invariant)
     drafters = [load_drafter_spec(spec, adapter, block_size=args.block_size) for spec in specs]
     for spec, drafter in zip(specs, drafters):
         if drafter.block_size < 1:
@@ -407,10 +435,10 @@ def run_cli(args) -> int:
 
 
 def add_parser(subparsers):
-    from sglang_hspec.cli import _add_engine_args
+    from sglang_hspec.engine.options import add_engine_args
 
     p = subparsers.add_parser("eval", help="tau, per-slot acceptance and speedup of a drafter on prompt sets")
-    _add_engine_args(p)
+    add_engine_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--datasets", default=None,
                      help=f"comma list of prompt sets (default: {','.join(DEFAULT_DATASETS)})")

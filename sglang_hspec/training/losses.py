@@ -1,5 +1,11 @@
 """Anchor sampling, slot masks and the DSpark block loss (0.1 CE + 0.9 TV + 1.0 BCE), chunked over rows.
 
+The target side of the loss has no gradient, so its distribution is computed once per target position
+(`target_draft_probs`: softmax over the full vocabulary, restricted to the draft vocabulary, plus the mass
+outside it) and shared by every slot that reads that position; `per_slot_terms` is the reference twin that
+recomputes it per slot from the full-vocabulary logits (what the trainer did before; `training.
+target_probs_once=false`). Only slots inside the slot mask are computed (`compact`).
+
 Slot convention (DeepSpec / SGLang, written into drafter configs): the block of anchor position a
 is fed token a then k-1 masks; slot j (0-based) predicts token a+1+j, and its target distribution is
 the frozen target's next-token distribution at position a+j. The drafter's target context is strictly
@@ -120,6 +126,74 @@ def per_slot_terms(
 
 
 @dataclass
+class TargetProbs:
+    """The frozen target's next-token distribution at each of N positions, over the draft vocabulary."""
+
+    probs: torch.Tensor  # [N, V_d] float32: p_t[d2t[i]]
+    outside: torch.Tensor  # [N] float32: probability mass on target ids outside the draft vocabulary
+
+
+@torch.no_grad()
+def target_draft_probs(
+    *, d2t: torch.Tensor, logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+    lm_head_weight: torch.Tensor | None = None, lm_head_bias: torch.Tensor | None = None, chunk_rows: int = 2048,
+) -> TargetProbs:
+    """`TargetProbs` of every position, from full-vocabulary `logits` [..., V] or from final-norm `hidden`
+    [..., d] and the target's LM head (then no [positions, V] logits tensor beyond one chunk is held).
+    Row for row the same float32 softmax as `per_slot_terms`, so the loss does not change."""
+    if (logits is None) == (hidden is None):
+        raise ValueError("pass exactly one of logits and hidden (with lm_head_weight)")
+    src = logits if logits is not None else hidden
+    src = src.reshape(-1, src.shape[-1])
+    probs = torch.empty(src.shape[0], d2t.numel(), dtype=torch.float32, device=src.device)
+    outside = torch.empty(src.shape[0], dtype=torch.float32, device=src.device)
+    for s in range(0, src.shape[0], chunk_rows):
+        part = src[s: s + chunk_rows]
+        if hidden is not None:
+            part = F.linear(part.to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)
+        p_in = torch.softmax(part.float(), dim=-1).index_select(-1, d2t)
+        probs[s: s + chunk_rows] = p_in
+        outside[s: s + chunk_rows] = (1.0 - p_in.sum(-1)).clamp_min(0.0)
+    return TargetProbs(probs=probs, outside=outside)
+
+
+def _draft_terms(
+    draft_logits: torch.Tensor, p_t_in: torch.Tensor, outside: torch.Tensor, draft_labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_chunk_terms` given the target's draft-vocabulary probabilities (no gradient on the target side)."""
+    logp_d = torch.log_softmax(draft_logits.float(), dim=-1)
+    tv = 0.5 * ((logp_d.exp() - p_t_in).abs().sum(-1) + outside)
+    has = draft_labels >= 0
+    ce = -torch.gather(logp_d, -1, draft_labels.clamp_min(0)[:, None]).squeeze(-1) * has
+    return ce, tv
+
+
+def slot_terms(
+    *, draft_logits: torch.Tensor, target: TargetProbs, label_index: torch.Tensor, labels: torch.Tensor,
+    d2t: torch.Tensor, target_vocab_size: int, chunk_rows: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CE and TV per slot like `per_slot_terms`, reading the per-position `TargetProbs` (rows of
+    target.probs indexed by label_index)."""
+    shape = labels.shape
+    dl = draft_logits.reshape(-1, draft_logits.shape[-1])
+    idx, lab = label_index.reshape(-1), labels.reshape(-1)
+    draft_labels = target_to_draft_map(d2t=d2t, target_vocab_size=target_vocab_size)[lab]
+    ces, tvs = [], []
+    for s in range(0, dl.shape[0], chunk_rows):
+        sl = slice(s, s + chunk_rows)
+        p_in, out = target.probs.index_select(0, idx[sl]), target.outside.index_select(0, idx[sl])
+        if torch.is_grad_enabled() and dl.requires_grad:
+            ce, tv = checkpoint(_draft_terms, dl[sl], p_in, out, draft_labels[sl], use_reentrant=False)
+        else:
+            ce, tv = _draft_terms(dl[sl], p_in, out, draft_labels[sl])
+        ces.append(ce)
+        tvs.append(tv)
+    if not ces:
+        return dl.new_zeros(shape, dtype=torch.float32), dl.new_zeros(shape, dtype=torch.float32)
+    return torch.cat(ces).view(shape), torch.cat(tvs).view(shape)
+
+
+@dataclass
 class BlockLoss:
     """Sums over the micro-batch (divide by a global weight total to get means)."""
 
@@ -135,27 +209,46 @@ class BlockLoss:
 
 
 def block_loss(
-    *, draft_logits: torch.Tensor, confidence_logits: torch.Tensor | None, target_logits: torch.Tensor,
-    input_ids: torch.Tensor, anchors: torch.Tensor, mask: torch.Tensor, d2t: torch.Tensor,
+    *, draft_logits: torch.Tensor, confidence_logits: torch.Tensor | None, input_ids: torch.Tensor,
+    anchors: torch.Tensor, mask: torch.Tensor, d2t: torch.Tensor, target_logits: torch.Tensor | None = None,
+    target_probs: TargetProbs | None = None, target_vocab_size: int | None = None, compact: bool = False,
     gamma_decay: float = 4.0, ce_weight: float = 0.1, tv_weight: float = 0.9, conf_weight: float = 1.0,
     chunk_rows: int = 2048,
 ) -> BlockLoss:
     """DSpark loss of a batch of blocks.
 
     draft_logits [B, A, k, V_d]; confidence_logits [B, A, k] or None (no head: BCE term is 0);
-    target_logits [B, T, V]; input_ids [B, T]; anchors [B, A]; mask [B, A, k] from `slot_mask`;
-    d2t [V_d] target ids of the draft vocabulary. Slot j of anchor a: label input_ids[a+1+j], target
-    distribution softmax(target_logits[a+j]); confidence label stop_grad(1 - TV)."""
+    input_ids [B, T]; anchors [B, A]; mask [B, A, k] from `slot_mask`; d2t [V_d] target ids of the
+    draft vocabulary. The target side is either target_logits [B, T, V] (recomputed per slot: the
+    reference path) or target_probs over the B*T positions (`target_draft_probs`, with
+    target_vocab_size). Slot j of anchor a: label input_ids[a+1+j], target distribution
+    softmax(target_logits[a+j]); confidence label stop_grad(1 - TV). compact=True computes CE / TV only
+    for slots inside the mask (the others are exactly 0 and weigh 0 either way)."""
+    if (target_logits is None) == (target_probs is None):
+        raise ValueError("pass exactly one of target_logits and target_probs")
     B, A, k, _ = draft_logits.shape
     T = input_ids.shape[1]
     j = torch.arange(k, device=anchors.device)
     pos = (anchors[..., None] + j).clamp_max(T - 2)  # a+j; masked slots are clamped harmlessly
     labels = torch.gather(input_ids, 1, (pos + 1).flatten(1)).view(B, A, k)
     label_index = pos + (torch.arange(B, device=pos.device) * T)[:, None, None]
-    ce, tv = per_slot_terms(
-        draft_logits=draft_logits, target_logits=target_logits.reshape(B * T, -1), label_index=label_index,
-        labels=labels, d2t=d2t, chunk_rows=chunk_rows,
-    )
+    keep = mask.reshape(-1).nonzero().squeeze(-1) if compact else None
+    rows_logits = draft_logits.reshape(B * A * k, -1)
+    rows_index, rows_labels = label_index.reshape(-1), labels.reshape(-1)
+    if keep is not None:
+        rows_logits, rows_index, rows_labels = rows_logits[keep], rows_index[keep], rows_labels[keep]
+    if target_probs is not None:
+        if target_vocab_size is None:
+            raise ValueError("target_probs needs target_vocab_size (the full target vocabulary)")
+        ce, tv = slot_terms(draft_logits=rows_logits, target=target_probs, label_index=rows_index,
+                            labels=rows_labels, d2t=d2t, target_vocab_size=target_vocab_size, chunk_rows=chunk_rows)
+    else:
+        ce, tv = per_slot_terms(draft_logits=rows_logits, target_logits=target_logits.reshape(B * T, -1),
+                                label_index=rows_index, labels=rows_labels, d2t=d2t, chunk_rows=chunk_rows)
+    if keep is not None:
+        ce = ce.new_zeros(B * A * k).index_copy(0, keep, ce)
+        tv = tv.new_zeros(B * A * k).index_copy(0, keep, tv)
+    ce, tv = ce.view(B, A, k), tv.view(B, A, k)
     m = mask.float()
     w = position_weights(block_size=k, gamma_decay=gamma_decay, device=m.device) * m
     accept = (1.0 - tv).clamp(0.0, 1.0)

@@ -1,20 +1,30 @@
 """`hspec train --config configs/<name>.yaml [section.key=value ...]`: one recipe for every drafter kind.
 
-Online target features, no caches: each micro-batch runs the frozen target once (hidden states of the
-drafter's layers, their post-RoPE KV, next-token logits), samples anchors inside the loss mask and runs
-the drafter over all anchors in one batched call. Runs unchanged on CPU, one GPU, or many through
-`torchrun` (DistributedDataParallel; gloo on CPU, nccl on GPU).
+Each micro-batch gets the frozen target's features (hidden states of the drafter's layers, their
+post-RoPE KV, final-norm hidden states) from one target forward, or from the feature cache
+(`data.feature_cache`, features.py) when the target already ran on those examples; samples anchors
+inside the loss mask and runs the drafter over all valid anchors in one batched call. The target's
+next-token distribution is computed once per position, over the draft vocabulary. Prints training
+tokens/s and anchored blocks/s. Checkpoints are written atomically (temp dir + rename) with the RNG
+state, so a run killed at any point (SIGKILL included) resumes with `training.resume_from=auto` to the
+same per-step losses. Runs unchanged on CPU, one GPU, or many through `torchrun`
+(DistributedDataParallel; gloo on CPU, nccl on GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import random
+import shutil
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,37 +34,21 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from sglang_hspec.target.dtypes import bf16_is_fast, resolve_dtype
+from sglang_hspec.target.dtypes import bf16_is_fast
 from sglang_hspec.training.config import TrainConfig, check_against_target, check_block_size, load_config
 from sglang_hspec.training.data import load_examples, patterned_examples, read_jsonl
-from sglang_hspec.training.losses import block_loss, position_weights, sample_anchors, slot_mask
+from sglang_hspec.training.losses import (
+    block_loss,
+    position_weights,
+    sample_anchors,
+    slot_mask,
+    target_draft_probs,
+)
 
 STATE_FILE = "trainer_state.pt"
 
 
 # ------------------------------------------------------------------ target and drafter
-def load_target(name: str, *, dtype: str = "auto", target_kwargs: dict[str, Any] | None = None, device="cpu"):
-    """(frozen model, tokenizer or None) for "smollm2", "tiny" or a local HF directory."""
-    torch_dtype = resolve_dtype(dtype, torch.device(device).type)
-    if name == "smollm2":
-        from sglang_hspec.assets.embedded import load_embedded_target
-
-        model, tok = load_embedded_target(dtype=torch_dtype, device=device)
-    elif name == "tiny":
-        from sglang_hspec.assets.tiny import tiny_target
-
-        model, tok = tiny_target(dtype=torch_dtype, **(target_kwargs or {})).to(device), None
-    elif Path(name).is_dir():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device)
-        tok = AutoTokenizer.from_pretrained(name)
-    else:
-        raise ValueError(f"model.target {name!r} is neither 'smollm2', 'tiny' nor a local model directory")
-    model.eval().requires_grad_(False)
-    return model, tok
-
-
 def drafter_config(cfg: TrainConfig, target_model):
     from sglang_hspec.model import HSpecConfig
     from sglang_hspec.target.geometry import TargetGeometry
@@ -86,7 +80,59 @@ def build_model(cfg: TrainConfig, target_model, examples: list[dict[str, Any]]) 
         for ex in examples:
             counts += torch.bincount(torch.tensor(ex["input_ids"]), minlength=V)[:V].float()
         drafter.set_draft_vocab(build_draft_vocab(counts, dc.draft_vocab_size, always_include=(dc.mask_token_id,)))
+    if cfg.model.init == "target_layers":
+        init_from_target_layers(drafter, target_model)
     return drafter
+
+
+def target_layer_map(drafter: nn.Module) -> list[int]:
+    """The target layer each drafter layer is initialised from: an attention layer from the target layer
+    whose KV it reads (its mapped id; the last target_layer_ids for kinds that read none), a layer
+    without attention from the target's last decoder layer."""
+    cfg = drafter.config
+    n_attn = cfg.num_attention_layers
+    attn_ids = list(cfg.kv_reuse_layer_ids) or list(cfg.target_layer_ids[-n_attn:] if n_attn else [])
+    last = cfg.target.num_hidden_layers - 1
+    out, i = [], 0
+    for layer in drafter.layers:
+        if layer.attn is not None:
+            out.append(int(attn_ids[i]))
+            i += 1
+        else:
+            out.append(last)
+    return out
+
+
+@torch.no_grad()
+def init_from_target_layers(drafter: nn.Module, target_model) -> None:
+    """`model.init: target_layers` (see config.py): layer-skip self-speculation as the starting point.
+    Drafter layer i takes q/k/v/o (and q/k norms), the pre-attention and pre-MLP norms and the SwiGLU MLP
+    of target layer target_layer_map[i]; the final norm is the target's (it feeds the same LM head); each
+    Mamba mixer's out_proj starts at zero, so the untrained drafter is exactly that shallow copy of the
+    target and the Mamba branches grow in from there. The drafter's hidden size is the target's by
+    construction; attention biases (Qwen2) have no slot in the drafter and are left out."""
+    src_layers = target_model.model.layers
+    for layer, src_id in zip(drafter.layers, target_layer_map(drafter)):
+        src = src_layers[src_id]
+        pairs = [(layer.mlp_norm.weight, src.post_attention_layernorm.weight)]
+        pairs += [(getattr(layer.mlp, n).weight, getattr(src.mlp, n).weight) for n in ("gate_proj", "up_proj", "down_proj")]
+        if layer.attn is not None:
+            pairs.append((layer.attn_norm.weight, src.input_layernorm.weight))
+            pairs += [(getattr(layer.attn, n).weight, getattr(src.self_attn, n).weight)
+                      for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            for n in ("q_norm", "k_norm"):
+                if getattr(layer.attn, n) is not None and getattr(src.self_attn, n, None) is not None:
+                    pairs.append((getattr(layer.attn, n).weight, getattr(src.self_attn, n).weight))
+        for dst, w in pairs:
+            if dst.shape != w.shape:
+                raise ValueError(
+                    f"model.init=target_layers: drafter weight {tuple(dst.shape)} cannot start from target layer "
+                    f"{src_id}'s {tuple(w.shape)}; the MLP must be the target's width (drop "
+                    "model.drafter.intermediate_size) or use model.init=random")
+            dst.copy_(w.to(dst.dtype))
+        if layer.mamba is not None:
+            layer.mamba.out_proj.weight.zero_()
+    drafter.norm.weight.copy_(target_model.model.norm.weight.to(drafter.norm.weight.dtype))
 
 
 class DrafterLoss(nn.Module):
@@ -97,11 +143,15 @@ class DrafterLoss(nn.Module):
         self.drafter = drafter
         self.cfg = cfg
 
-    def forward(self, features, input_ids, anchors, mask):
+    def forward(self, features, input_ids, anchors, mask, anchor_valid, target_probs=None):
+        """target_probs (`TargetProbs`) or, without it, full-vocabulary features.logits."""
         t = self.cfg.training
-        out = self.drafter.forward_train(features, input_ids, anchors)
+        out = self.drafter.forward_train(features, input_ids, anchors,
+                                         anchor_valid=anchor_valid if t.pack_anchors else None)
         return block_loss(
-            draft_logits=out.logits, confidence_logits=out.confidence_logits, target_logits=features.logits,
+            draft_logits=out.logits, confidence_logits=out.confidence_logits,
+            target_logits=None if target_probs is not None else features.logits, target_probs=target_probs,
+            target_vocab_size=self.drafter.config.target.vocab_size, compact=t.pack_anchors,
             input_ids=input_ids, anchors=anchors, mask=mask, d2t=self.drafter.d2t, gamma_decay=t.gamma_decay,
             ce_weight=t.ce_weight, tv_weight=t.tv_weight, conf_weight=t.conf_weight, chunk_rows=t.loss_chunk_rows,
         )
@@ -147,6 +197,9 @@ class StepMetrics:
     accept: list[float]
     lr: float
     grad_norm: float
+    tokens: int = 0  # real (unpadded) tokens of the global batch
+    blocks: int = 0  # anchored blocks (valid anchors) of the global batch
+    seconds: float = 0.0  # wall time of the step (features, forward, backward, optimizer)
 
 
 @dataclass
@@ -154,6 +207,14 @@ class TrainResult:
     history: list[StepMetrics] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     drafter: nn.Module | None = None
+    cache_stats: dict[str, Any] | None = None
+
+    def throughput(self) -> dict[str, float]:
+        """Training tokens/s and anchored blocks/s over the run (the first step, which pays one-off
+        allocations and warm-up, is left out when there are more)."""
+        steps = self.history[1:] if len(self.history) > 1 else self.history
+        secs = sum(m.seconds for m in steps) or float("nan")
+        return {"tokens_per_s": sum(m.tokens for m in steps) / secs, "blocks_per_s": sum(m.blocks for m in steps) / secs}
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -193,7 +254,7 @@ def _load_examples(cfg: TrainConfig, tokenizer) -> list[dict[str, Any]]:
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    # checkpoint-<step> only: a half-written checkpoint-<step>.tmp from a killed run is not a candidate
+    # checkpoint-<step> only: the hidden temp dir (.checkpoint-<step>-*) of a killed save is not a candidate
     ckpts = [c for c in Path(output_dir).glob("checkpoint-*") if c.name.split("-", 1)[1].isdigit()]
     ckpts = sorted((c for c in ckpts if (c / STATE_FILE).is_file()), key=lambda c: int(c.name.split("-", 1)[1]))
     return ckpts[-1] if ckpts else None
@@ -217,8 +278,11 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     random.seed(t.seed)
 
     if target is None:
-        target, tokenizer = load_target(cfg.model.target, dtype=cfg.model.target_dtype,
-                                        target_kwargs=cfg.model.target_kwargs, device=device)
+        from sglang_hspec.target.loading import load_target
+
+        loaded = load_target(cfg.model.target, dtype=cfg.model.target_dtype,
+                             tiny_kwargs=cfg.model.target_kwargs, device=device)
+        target, tokenizer = loaded.model, loaded.tokenizer
     target = target.to(device).eval().requires_grad_(False)
     check_against_target(cfg, num_target_layers=target.config.num_hidden_layers)
     from sglang_hspec.target.adapter import TargetAdapter
@@ -250,6 +314,22 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         start = int(state["step"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        if state["rng"].get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    if rank == 0:
+        _clean_output_dir(Path(t.output_dir), keep_log_upto=start)
+
+    cache = None
+    if cfg.data.feature_cache is not None:
+        from sglang_hspec.training.features import FeatureCache, target_fingerprint
+
+        # a new cache stores what every kind of this recipe reads (see features.py), so they share it
+        ids = list(cfg.model.target_layer_ids)
+        cache = FeatureCache(cfg.data.feature_cache, target_fingerprint=target_fingerprint(target),
+                             hidden_layer_ids=ids,
+                             kv_layer_ids=list(dict.fromkeys([*drafter.kv_layer_ids, *ids[-3:]])),
+                             dtype=cfg.data.feature_cache_dtype)
+        cache.check_covers(hidden_layer_ids=drafter.target_layer_ids, kv_layer_ids=drafter.kv_layer_ids)
 
     pad_id = getattr(target.config, "pad_token_id", None) or 0
     per_micro = cfg.data.batch_size * world  # sequences per micro-batch over all ranks
@@ -260,39 +340,40 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     bar = tqdm(range(start, end), desc=f"train {cfg.model.kind}", disable=not progress or rank != 0,
                initial=start, total=end)
     for step in bar:
+        t0 = time.perf_counter()
         # every micro-batch of this step (for this rank), with its anchors and masks
         micro = []
         for m in range(t.grad_accum):
             items = micro_batch_items(len(examples), seed=t.seed, position=(step * t.grad_accum + m) * per_micro,
                                       count=per_micro)
             mine = items[rank * cfg.data.batch_size: (rank + 1) * cfg.data.batch_size]
-            ids, lmask, lengths = collate([examples[i] for _, i in mine], pad_id)
+            batch = [examples[i] for _, i in mine]
+            ids, lmask, lengths = collate(batch, pad_id)
             anchors, ok = sample_anchors(loss_mask=lmask, lengths=lengths, num_anchors=cfg.data.num_anchors,
                                          seeds=[example_seed(t.seed, e, i) for e, i in mine])
             smask = slot_mask(anchors=anchors, anchor_valid=ok, loss_mask=lmask, lengths=lengths,
                               block_size=cfg.model.block_size)
-            micro.append((ids.to(device), anchors.to(device), smask.to(device)))
+            micro.append((batch, ids.to(device), lengths, anchors.to(device), ok.to(device), smask.to(device)))
         # the loss is a weighted mean over every slot of the global batch: its denominator first
         w = position_weights(block_size=cfg.model.block_size, gamma_decay=t.gamma_decay, device=device)
-        denom = sum((mk.float() * w).sum() for _, _, mk in micro)
+        denom = sum((mk.float() * w).sum() for *_, mk in micro)
         if distributed:
             dist.all_reduce(denom)
         denom = denom.clamp_min(1e-8)
-        totals = torch.zeros(6, device=device)  # loss, ce, tv, bce, tau, anchors
+        totals = torch.zeros(7, device=device)  # loss, ce, tv, bce, tau, anchors, tokens
         acc = torch.zeros(2, cfg.model.block_size, device=device)
-        for m, (ids, anchors, smask) in enumerate(micro):
+        for m, (batch, ids, lengths, anchors, ok, smask) in enumerate(micro):
             with torch.no_grad(), amp:
-                feats = adapter.full_forward(ids, hidden_layer_ids=drafter.target_layer_ids,
-                                             kv_layer_ids=drafter.kv_layer_ids, return_logits=True)
+                feats, target_probs = _target_side(cfg, adapter, drafter, cache, batch, ids, lengths)
             sync = not distributed or m == t.grad_accum - 1
             ctx = module.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
                 with amp:
-                    out = module(feats, ids, anchors, smask)
+                    out = module(feats, ids, anchors, smask, ok, target_probs)
                 # DDP averages gradients over ranks; scale so the result is the global weighted mean
                 (out.loss_sum * world / denom).backward()
             totals += torch.stack([out.loss_sum.detach(), out.ce_sum, out.tv_sum, out.bce_sum, out.tau_sum,
-                                   out.num_anchors.float()])
+                                   out.num_anchors.float(), lengths.sum().to(device).float()])
             acc += torch.stack([out.accept_sum, out.accept_count])
         if distributed:
             dist.all_reduce(totals)
@@ -302,13 +383,16 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - t0
         metrics = StepMetrics(
             step=step + 1, loss=float(totals[0] / denom), ce=float(totals[1] / denom), tv=float(totals[2] / denom),
             bce=float(totals[3] / denom), tau_prob=float(totals[4] / totals[5].clamp_min(1)),
             accept=[round(float(x), 4) for x in acc[0] / acc[1].clamp_min(1)], lr=lr, grad_norm=float(grad_norm),
+            tokens=int(totals[6]), blocks=int(totals[5]), seconds=round(seconds, 4),
         )
         result.history.append(metrics)
-        bar.set_postfix(loss=f"{metrics.loss:.4f}", tau=f"{metrics.tau_prob:.3f}", lr=f"{lr:.2e}")
+        bar.set_postfix(loss=f"{metrics.loss:.4f}", tau=f"{metrics.tau_prob:.3f}", lr=f"{lr:.2e}",
+                        tok_s=f"{metrics.tokens / seconds:.0f}", blk_s=f"{metrics.blocks / seconds:.1f}")
         if rank == 0 and (t.log_every and (step + 1) % t.log_every == 0 or step + 1 == end):
             Path(t.output_dir).mkdir(parents=True, exist_ok=True)
             with open(Path(t.output_dir) / "train_log.jsonl", "a") as f:
@@ -319,24 +403,140 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             if distributed:
                 dist.barrier()
     bar.close()
+    if cache is not None:
+        result.cache_stats = {"dir": str(cache.root), "hits": cache.hits, "misses": cache.misses,
+                              "written_bytes": cache.bytes_written, "disk_bytes": cache.disk_bytes()}
     return result
+
+
+def _target_side(cfg: TrainConfig, adapter, drafter, cache, batch, ids, lengths):
+    """(features, TargetProbs or None) of one micro-batch: from the cache when every example is in it,
+    else from one target forward (whose per-example features then go into the cache). With
+    training.target_probs_once=false features.logits holds the full logits instead (reference path)."""
+    keys = None
+    if cache is not None:
+        from sglang_hspec.training.features import example_key
+
+        keys = [example_key(e["input_ids"]) for e in batch]
+    need_hidden, need_kv = list(drafter.target_layer_ids), list(drafter.kv_layer_ids)
+    if keys is not None and all(cache.has(k) for k in keys):
+        return _with_target_probs(cfg, adapter, drafter, cache.load_batch(
+            keys, length=ids.shape[1], dtype=adapter.dtype, device=ids.device, hidden_layer_ids=need_hidden,
+            kv_layer_ids=need_kv))
+    if keys is None:
+        feats = adapter.full_forward(ids, hidden_layer_ids=need_hidden, kv_layer_ids=need_kv, return_logits=False)
+        return _with_target_probs(cfg, adapter, drafter, feats)
+    store_hidden, store_kv = cache.manifest.hidden_layer_ids, cache.manifest.kv_layer_ids
+    feats = adapter.full_forward(ids, hidden_layer_ids=store_hidden, kv_layer_ids=store_kv, return_logits=False)
+    for b, (key, n) in enumerate(zip(keys, lengths.tolist())):
+        if not cache.has(key):
+            cache.misses += 1
+            cache.put(key, hidden=None if feats.hidden is None else feats.hidden[b, :n],
+                      kv={i: (k[b, :, :n], v[b, :, :n]) for i, (k, v) in feats.kv.items()},
+                      final_hidden=feats.final_hidden[b, :n])
+    if need_hidden != store_hidden:
+        pick = [store_hidden.index(i) for i in need_hidden]
+        feats.hidden = feats.hidden[:, :, pick] if pick else None
+    feats.kv = {i: feats.kv[i] for i in need_kv}
+    return _with_target_probs(cfg, adapter, drafter, feats)
+
+
+def _with_target_probs(cfg: TrainConfig, adapter, drafter, feats):
+    lm = adapter.lm_head
+    if not cfg.training.target_probs_once:
+        feats.logits = lm(feats.final_hidden).float()
+        return feats, None
+    probs = target_draft_probs(d2t=drafter.d2t, hidden=feats.final_hidden, lm_head_weight=lm.weight,
+                               lm_head_bias=lm.bias, chunk_rows=cfg.training.loss_chunk_rows)
+    return feats, probs
+
+
+def _clean_output_dir(out: Path, *, keep_log_upto: int) -> None:
+    """Before (re)starting: drop the temp dirs of saves a killed run left behind, and the log records past
+    the step training restarts from (they are trained again; a torn last line is dropped too)."""
+    if not out.is_dir():
+        return
+    for tmp in [*out.glob(".checkpoint-*"), *out.glob("checkpoint-*.tmp")]:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log = out / "train_log.jsonl"
+    if not log.is_file():
+        return
+    kept = []
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and int(rec.get("step", 0)) <= keep_log_upto:
+            kept.append(line + "\n")
+    _write_text_atomic(log, "".join(kept))
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*"), key=lambda q: len(q.parts), reverse=True):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (the previous one is left as it was)."""
 
 
 def save_checkpoint(cfg: TrainConfig, drafter: nn.Module, opt, sched, step: int) -> Path:
     """checkpoint-<step>/: drafter/ (config.json + model.safetensors, what serving loads) and
-    trainer_state.pt (optimizer, scheduler, step, RNG, config: what exact resume needs)."""
+    trainer_state.pt (optimizer, scheduler, step, RNG, config: what exact resume needs).
+
+    Atomic: everything is written and fsynced into a hidden temp dir next to it, which is then renamed
+    into place, so a kill at any moment leaves either the whole new checkpoint or none (resume then takes
+    the previous one). A full disk raises `CheckpointWriteError` naming the fix; earlier checkpoints
+    are never touched."""
     from sglang_hspec.model import save_drafter
 
-    out = Path(cfg.training.output_dir) / f"checkpoint-{step}"
-    tmp = out.with_name(out.name + ".tmp")
-    save_drafter(drafter, tmp / "drafter")
-    torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "step": step, "rng": _rng_state(), "config": cfg.model_dump()}, tmp / STATE_FILE)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    root = Path(cfg.training.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / f"checkpoint-{step}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}-"))
+    try:
+        save_drafter(drafter, tmp / "drafter")
+        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "step": step, "rng": _rng_state(), "config": cfg.model_dump()}, tmp / STATE_FILE)
+        _fsync_tree(tmp)
+        if out.exists():  # the same step saved again (a re-run slice): swap it out, then drop the old copy
+            old = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}-old-"))
+            os.rename(out, old / out.name)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            prev = latest_checkpoint(root)
+            kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
+            raise CheckpointWriteError(
+                errno.ENOSPC, f"no space left on device writing {out} ({shutil.disk_usage(root).free / 2**20:.0f} MiB "
+                f"free); {kept}. Free space or set training.output_dir to a larger disk, then continue with "
+                "training.resume_from=auto") from None
+        raise
     return out
 
 
@@ -353,11 +553,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run_cli(args) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("HSPEC_TRAIN_THREADS", torch.get_num_threads()))))
     cfg = load_config(args.config, args.overrides)
-    result = train(cfg, progress=not args.no_progress)
+    try:
+        result = train(cfg, progress=not args.no_progress)
+    except CheckpointWriteError as e:
+        print(f"error: {e.strerror}", file=sys.stderr)
+        return 3
     if result.history:
         last = result.history[-1]
         print(json.dumps({"step": last.step, "loss": last.loss, "tau_prob": last.tau_prob,
-                          "accept": last.accept, "checkpoints": result.checkpoints}))
+                          "accept": last.accept, **{k: round(v, 2) for k, v in result.throughput().items()},
+                          "checkpoints": result.checkpoints,
+                          **({"feature_cache": result.cache_stats} if result.cache_stats else {})}))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -367,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_hspec.training.trainer")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
-    args = parser.parse_args(["train", *(argv if argv is not None else __import__("sys").argv[1:])])
+    args = parser.parse_args(["train", *(argv if argv is not None else sys.argv[1:])])
     return args.func(args)
 
 

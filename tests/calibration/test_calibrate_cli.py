@@ -1,8 +1,9 @@
 import argparse
 import json
 
+import pytest
 import torch
-from sglang_hspec.calibration import load_sts
+from sglang_hspec.calibration import fit_sts, load_intervals, load_records, load_sts
 from sglang_hspec.calibration.cli import add_parser, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -13,14 +14,27 @@ def test_synth_fit_report_end_to_end(tmp_path, capsys):
     assert main(["synth", "--out-stem", str(train), "-n", "8000", "--seed", "1", "--shards", "3"]) == 0
     assert main(["synth", "--out-stem", str(held), "-n", "8000", "--seed", "2", "--shards", "2"]) == 0
     out, plot = tmp_path / "sts.json", tmp_path / "fit.png"
-    rc = main(["fit", "--data", f"{train}.*.pt", "--gamma", "7", "--out", str(out), "--plot", str(plot)])
-    assert rc == 0
-    sts = load_sts(out, gamma=7)
+    fit_argv = ["fit", "--data", f"{train}.*.pt", "--block-size", "7", "--out", str(out), "--plot", str(plot)]
+    assert main([*fit_argv, "--bootstrap", "40"]) == 0
+    sts = load_sts(out, block_size=7)
     assert sts.num_samples == 8000 and sts.dataset == f"{train}.*.pt"
     assert all(t > 1.0 for t in sts.temperatures)
     assert sum(sts.ece_after) < sum(sts.ece_before)
     assert plot.read_bytes().startswith(PNG_MAGIC)
-    assert "mean per-slot ECE" in capsys.readouterr().out
+    # the STS file keeps SGLang's fields only; the intervals go to the sidecar and into the table
+    assert set(json.loads(out.read_text())) == {
+        "temperatures",
+        "dataset",
+        "num_samples",
+        "ece_before",
+        "ece_after",
+    }
+    intervals = load_intervals(tmp_path / "sts.intervals.json")
+    assert intervals.temperatures == sts.temperatures and intervals.num_resamples == 40
+    printed = capsys.readouterr().out
+    assert "mean per-slot ECE" in printed and "95% interval" in printed
+    slot_3 = next(line for line in printed.splitlines() if line.startswith("   3 "))
+    assert f"[{intervals.lower[3]:.3f}, {intervals.upper[3]:.3f}]" in slot_3
 
     metrics_json, report_png = tmp_path / "m.json", tmp_path / "held.png"
     rc = main(
@@ -39,6 +53,8 @@ def test_synth_fit_report_end_to_end(tmp_path, capsys):
     assert rc == 0
     report = json.loads(metrics_json.read_text())
     assert report["sts"]["temperatures"] == sts.temperatures
+    assert report["intervals"]["upper"] == intervals.upper  # the sidecar beside --sts is picked up
+    assert "95% interval" in capsys.readouterr().out
     assert report["raw"]["num_samples"] == 8000 and len(report["calibrated"]["ece"]) == 7
     assert report["calibrated"]["mean_slot_ece"] < report["raw"]["mean_slot_ece"]
     assert report_png.read_bytes().startswith(PNG_MAGIC)
@@ -54,7 +70,7 @@ def test_fit_with_holdout_and_registered_as_subcommand(tmp_path):
             "fit",
             "--data",
             str(tmp_path),
-            "--gamma",
+            "--block-size",
             "7",
             "--out",
             str(tmp_path / "s.json"),
@@ -66,6 +82,30 @@ def test_fit_with_holdout_and_registered_as_subcommand(tmp_path):
     )
     assert args.func(args) == 0
     assert load_sts(tmp_path / "s.json").num_samples == 3000
+    assert (tmp_path / "s.intervals.json").is_file()
+
+
+def test_grid_method_deprecated_gamma_and_no_bootstrap(tmp_path, capsys):
+    main(["synth", "--out-stem", str(tmp_path / "r"), "-n", "3000", "--shards", "1", "--gamma", "5"])
+    assert "--gamma is deprecated, use --block-size" in capsys.readouterr().err
+    out = tmp_path / "s.json"
+    argv = ["fit", "--data", str(tmp_path / "r.*.pt"), "--gamma", "5", "--out", str(out), "--method", "grid"]
+    assert main([*argv, "--bootstrap", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "--gamma is deprecated" in captured.err and "interval" not in captured.out
+    assert not (tmp_path / "s.intervals.json").exists()
+    records = load_records(data=str(tmp_path / "r.*.pt"))
+    grid, _, _ = fit_sts(confidence_logits=records.logits, prefix_mask=records.prefix_mask, method="grid")
+    assert load_sts(out, block_size=5).temperatures == grid
+
+
+def test_help_hides_gamma(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    help_text = capsys.readouterr().out
+    assert (
+        "--block-size" in help_text and "--gamma" not in help_text and "--method {nll,ece,grid}" in help_text
+    )
 
 
 def _assert_failed_cleanly(tmp_path, capsys, argv, message):
@@ -81,22 +121,22 @@ def test_errors_are_clear_and_write_nothing(tmp_path, capsys):
     _assert_failed_cleanly(
         tmp_path,
         capsys,
-        ["fit", "--data", str(tmp_path / "*.pt"), "--gamma", "7", "--out", out],
+        ["fit", "--data", str(tmp_path / "*.pt"), "--block-size", "7", "--out", out],
         "no confidence record shards matched",
     )
     torch.save({"logits": torch.zeros(0, 7), "prefix_mask": torch.zeros(0, 7)}, tmp_path / "empty.0.pt")
     _assert_failed_cleanly(
         tmp_path,
         capsys,
-        ["fit", "--data", str(tmp_path / "empty.*.pt"), "--gamma", "7", "--out", out],
+        ["fit", "--data", str(tmp_path / "empty.*.pt"), "--block-size", "7", "--out", out],
         "hold no records",
     )
     torch.save({"logits": torch.zeros(5, 5), "prefix_mask": torch.zeros(5, 5)}, tmp_path / "g5.0.pt")
     _assert_failed_cleanly(
         tmp_path,
         capsys,
-        ["fit", "--data", str(tmp_path / "g5.*.pt"), "--gamma", "7", "--out", out, "--plot", plot],
-        "gamma=5 slots but --gamma 7",
+        ["fit", "--data", str(tmp_path / "g5.*.pt"), "--block-size", "7", "--out", out, "--plot", plot],
+        "block_size=5 slots but --block-size 7",
     )
     logits = torch.zeros(5, 7)
     logits[2, 3] = float("nan")
@@ -104,14 +144,14 @@ def test_errors_are_clear_and_write_nothing(tmp_path, capsys):
     _assert_failed_cleanly(
         tmp_path,
         capsys,
-        ["fit", "--data", str(tmp_path / "nan.*.pt"), "--gamma", "7", "--out", out],
+        ["fit", "--data", str(tmp_path / "nan.*.pt"), "--block-size", "7", "--out", out],
         "NaN or infinite",
     )
     (tmp_path / "corrupt.0.pt").write_bytes(b"\x00garbage")
     _assert_failed_cleanly(
         tmp_path,
         capsys,
-        ["fit", "--data", str(tmp_path / "corrupt.*.pt"), "--gamma", "7", "--out", out],
+        ["fit", "--data", str(tmp_path / "corrupt.*.pt"), "--block-size", "7", "--out", out],
         "not a readable confidence record shard",
     )
     _assert_failed_cleanly(
@@ -121,7 +161,7 @@ def test_errors_are_clear_and_write_nothing(tmp_path, capsys):
             "fit",
             "--data",
             str(tmp_path / "g5.*.pt"),
-            "--gamma",
+            "--block-size",
             "5",
             "--out",
             out,
@@ -129,6 +169,12 @@ def test_errors_are_clear_and_write_nothing(tmp_path, capsys):
             str(tmp_path / "r.jpg"),
         ],
         "must end in .png",
+    )
+    _assert_failed_cleanly(
+        tmp_path,
+        capsys,
+        ["fit", "--data", str(tmp_path / "g5.*.pt"), "--out", out],
+        "--block-size is required",
     )
     (tmp_path / "sts_bad.json").write_text('{"temperatures": [1.0, -1.0, 1.0, 1.0, 1.0]}')
     _assert_failed_cleanly(

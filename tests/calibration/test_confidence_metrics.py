@@ -70,7 +70,7 @@ def test_survival_metrics_per_slot_and_overall():
     survival = np.array([[0.9, 0.6], [0.8, 0.3], [0.4, 0.1], [0.7, 0.5]])
     prefix = np.array([[1, 1], [1, 0], [0, 0], [1, 0]], dtype=bool)
     m = survival_metrics(survival=survival, prefix_mask=prefix, num_bins=15)
-    assert m.num_samples == 4 and m.gamma == 2 and m.num_observed == [4, 4]
+    assert m.num_samples == 4 and m.block_size == 2 and m.num_observed == [4, 4]
     assert m.brier[0] == pytest.approx(np.mean((survival[:, 0] - prefix[:, 0]) ** 2))
     assert m.brier[1] == pytest.approx((0.4**2 + 0.3**2 + 0.1**2 + 0.5**2) / 4)
     assert m.mean_predicted == pytest.approx([0.7, 0.375]) and m.mean_observed == pytest.approx([0.75, 0.25])

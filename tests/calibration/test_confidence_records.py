@@ -7,7 +7,7 @@ from sglang_hspec.calibration import ConfidenceRecorder, ConfidenceRecords, load
 def test_recorder_writes_sglang_layout(tmp_path):
     stem = tmp_path / "rec" / "run"
     logits = torch.randn(4, 4)
-    with ConfidenceRecorder(stem, gamma=4, flush_every=2, meta={"drafter": "tiny"}) as rec:
+    with ConfidenceRecorder(stem, block_size=4, flush_every=2, meta={"drafter": "tiny"}) as rec:
         rec.add(logits, torch.tensor([0, 2, 4, 1], dtype=torch.int32))
         rec.add(logits[:1], torch.tensor([3]))  # second add: flush_every reached
         assert rec.shard_paths == [tmp_path / "rec" / "run.0.pt"]
@@ -21,25 +21,25 @@ def test_recorder_writes_sglang_layout(tmp_path):
     )
     assert torch.equal(shard["prefix_mask"], expected)
     torch.testing.assert_close(shard["logits"], torch.cat([logits, logits[:1]]))
-    records = load_records(data=str(stem) + ".*.pt", gamma=4)
+    records = load_records(data=str(stem) + ".*.pt", block_size=4)
     assert records.num_samples == 7 and records.observed_mask is None
     assert records.prefix_mask.sum(axis=1).tolist() == [0, 2, 4, 1, 3, 1, 1]
 
 
 def test_recorder_verify_lens_give_observed_mask(tmp_path):
-    with ConfidenceRecorder(tmp_path / "r", gamma=3) as rec:
+    with ConfidenceRecorder(tmp_path / "r", block_size=3) as rec:
         rec.add(torch.zeros(2, 3), torch.tensor([1, 0]), verify_lens=torch.tensor([3, 1]))
     records = load_shard(rec.shard_paths[0])
     assert records.observed_mask.tolist() == [[True, True, False], [False, False, False]]
     with pytest.raises(ValueError, match="verify_lens"):
-        ConfidenceRecorder(tmp_path / "q", gamma=3).add(
+        ConfidenceRecorder(tmp_path / "q", block_size=3).add(
             torch.zeros(1, 3), torch.tensor([2]), verify_lens=torch.tensor([2])
         )
 
 
 def test_recorder_rejects_bad_input_and_existing_stem(tmp_path):
-    rec = ConfidenceRecorder(tmp_path / "r", gamma=3)
-    with pytest.raises(ValueError, match=r"\[n, gamma=3\]"):
+    rec = ConfidenceRecorder(tmp_path / "r", block_size=3)
+    with pytest.raises(ValueError, match=r"\[n, block_size=3\]"):
         rec.add(torch.zeros(2, 4), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="NaN or inf"):
         rec.add(torch.tensor([[0.0, float("nan"), 1.0]]), torch.tensor([0]))
@@ -47,10 +47,10 @@ def test_recorder_rejects_bad_input_and_existing_stem(tmp_path):
         rec.add(torch.zeros(1, 3), torch.tensor([4]))
     rec.close()
     assert rec.shard_paths == []  # nothing valid was added, nothing written
-    with ConfidenceRecorder(tmp_path / "s", gamma=3) as rec:
+    with ConfidenceRecorder(tmp_path / "s", block_size=3) as rec:
         rec.add(torch.zeros(1, 3), torch.tensor([1]))
     with pytest.raises(FileExistsError, match="already exist"):
-        ConfidenceRecorder(tmp_path / "s", gamma=3)
+        ConfidenceRecorder(tmp_path / "s", block_size=3)
 
 
 def test_reads_sglang_float_masks_and_ours_through_one_schema(tmp_path):
@@ -63,7 +63,7 @@ def test_reads_sglang_float_masks_and_ours_through_one_schema(tmp_path):
         },
         tmp_path / "sglang.0.pt",
     )
-    with ConfidenceRecorder(tmp_path / "ours", gamma=3) as rec:
+    with ConfidenceRecorder(tmp_path / "ours", block_size=3) as rec:
         rec.add(torch.zeros(1, 3), torch.tensor([3]))
     records = load_records(data=[tmp_path / "sglang.*.pt", tmp_path / "ours.*.pt"])
     assert records.logits.dtype == np.float32 and records.prefix_mask.dtype == np.bool_
@@ -106,14 +106,14 @@ def test_bad_shards_raise_clear_errors(tmp_path, make, message):
     assert "bad.0.pt" in str(info.value)
 
 
-def test_glob_gamma_and_empty_errors(tmp_path):
+def test_glob_block_size_and_empty_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no confidence record shards matched"):
         load_records(data=str(tmp_path / "*.pt"))
     _save(tmp_path / "a.0.pt", logits=torch.zeros(2, 3), prefix_mask=torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="gamma=3 slots but --gamma 7"):
-        load_records(data=str(tmp_path / "a.*.pt"), gamma=7)
+    with pytest.raises(ValueError, match="block_size=3 slots but --block-size 7"):
+        load_records(data=str(tmp_path / "a.*.pt"), block_size=7)
     _save(tmp_path / "b.0.pt", logits=torch.zeros(2, 4), prefix_mask=torch.zeros(2, 4))
-    with pytest.raises(ValueError, match="disagree on gamma"):
+    with pytest.raises(ValueError, match="disagree on the block size"):
         load_records(data=str(tmp_path / "*.pt"))
     _save(tmp_path / "e.0.pt", logits=torch.zeros(0, 3), prefix_mask=torch.zeros(0, 3))
     with pytest.raises(ValueError, match="hold no records"):
@@ -127,3 +127,19 @@ def test_split_is_a_partition():
     assert fit.num_samples == 75 and held.num_samples == 25
     rows = np.concatenate([fit.logits, held.logits])
     assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, records.logits.tolist()))
+
+
+def test_old_shards_storing_the_block_size_still_load(tmp_path):
+    # recordings may carry the block size under SGLang's name ("gamma") or ours; both are read and checked
+    _save(tmp_path / "old.0.pt", logits=torch.zeros(2, 3), prefix_mask=torch.zeros(2, 3), gamma=3)
+    _save(
+        tmp_path / "new.0.pt",
+        logits=torch.zeros(1, 3),
+        prefix_mask=torch.ones(1, 3),
+        block_size=torch.tensor(3),
+    )
+    records = load_records(data=str(tmp_path / "*.pt"), block_size=3)
+    assert records.num_samples == 3 and records.block_size == 3
+    _save(tmp_path / "bad.0.pt", logits=torch.zeros(2, 3), prefix_mask=torch.zeros(2, 3), gamma=7)
+    with pytest.raises(ValueError, match="bad.0.pt: the shard stores gamma=7 but its logits have 3 slots"):
+        load_records(data=str(tmp_path / "bad.*.pt"))

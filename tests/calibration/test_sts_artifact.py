@@ -15,7 +15,7 @@ from sglang_hspec.calibration import (
 
 
 class SglangDSparkStsCalibration(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Field-for-field restatement of SGLang 0.5.23's DSparkStsCalibration (reference/anchors.md §4)."""
+    """Field-for-field restatement of SGLang 0.5.23's DSparkStsCalibration (sglang/srt/speculative/dspark_components/dspark_sts.py in the sglang 0.5.23 wheel)."""
 
     temperatures: list[float]
     dataset: str = ""
@@ -33,7 +33,7 @@ def test_json_round_trip_and_sglang_layout(tmp_path):
         ece_after=[0.0, 0.01, 0.02],
     )
     path = save_sts(sts, tmp_path / "sub" / "sts.json")
-    assert load_sts(path, gamma=3) == sts
+    assert load_sts(path, block_size=3) == sts
     raw = msgspec.json.decode(path.read_bytes())
     assert list(raw) == ["temperatures", "dataset", "num_samples", "ece_before", "ece_after"]
     theirs = msgspec.json.decode(path.read_bytes(), type=SglangDSparkStsCalibration)
@@ -45,7 +45,7 @@ def test_loads_minimal_sglang_file(tmp_path):
     path = tmp_path / "sts.json"
     path.write_bytes(msgspec.json.encode(SglangDSparkStsCalibration(temperatures=[1.0, 3.0])))
     sts = load_sts(path)
-    assert sts.temperatures == [1.0, 3.0] and sts.num_samples == 0 and sts.gamma == 2
+    assert sts.temperatures == [1.0, 3.0] and sts.num_samples == 0 and sts.block_size == 2
 
 
 @pytest.mark.parametrize(
@@ -79,10 +79,10 @@ def test_construction_rejects_non_finite():
             StsCalibration(temperatures=[1.0, bad])
 
 
-def test_gamma_mismatch_and_missing_file(tmp_path):
+def test_block_size_mismatch_and_missing_file(tmp_path):
     path = save_sts(StsCalibration(temperatures=[1.0] * 5), tmp_path / "sts.json")
-    with pytest.raises(ValueError, match="holds 5 temperatures but gamma is 7"):
-        load_sts(path, gamma=7)
+    with pytest.raises(ValueError, match="holds 5 temperatures but the drafter.s block size is 7"):
+        load_sts(path, block_size=7)
     with pytest.raises(FileNotFoundError, match="cannot read STS"):
         load_sts(tmp_path / "absent.json")
 
@@ -107,7 +107,7 @@ def test_torch_and_numpy_twins_agree_on_batched_input():
     n = calibrated_survival_np(confidence_logits=logits, temperatures=sts.temperatures)
     assert t.dtype == torch.float32 and t.shape == (3, 5, 7)
     np.testing.assert_allclose(t.numpy(), n, rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="gamma=7 slots but 3 temperatures"):
+    with pytest.raises(ValueError, match="block_size=7 slots but 3 temperatures"):
         calibrated_survival(confidence_logits=torch.from_numpy(logits), temperatures=[1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="finite and > 0"):
         calibrated_survival_np(confidence_logits=logits, temperatures=[1.0] * 6 + [0.0])

@@ -33,6 +33,10 @@ MODES = (
     "drop_mid_stream",
     "no_final",
     "stream_error",
+    "bad_gzip",  # every answer says Content-Encoding: gzip, but the body is plain
+    "redirect",  # POSTs answer 307 to another address
+    "http401",  # POSTs answer 401, as SGLang's --api-key check does
+    "no_sse",  # stream requests get the non-streaming JSON body
 )
 
 
@@ -66,6 +70,11 @@ class Behaviour:
     cap_length: float | None = None  # report spec_cap_length (ragged verify) when set
     stall_s: float = 3.0
     delay_s: float = 0.0  # hold every POST this long, so concurrent requests overlap
+    # Overrides merged into what the server reports, to make impossible counters on request:
+    final_meta: dict[str, Any] = field(default_factory=dict)  # /generate's final meta_info
+    spec_details: dict[str, Any] = field(default_factory=dict)  # chat sglext.spec_tokens_details
+    usage: dict[str, Any] = field(default_factory=dict)  # chat usage
+    server_info_body: bytes | None = None  # the raw /server_info body, when set
     in_flight: int = 0
     max_in_flight: int = 0
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -116,6 +125,7 @@ def meta_info(rid: str, prompt: str, ids_so_far: int, finish: dict | None, behav
     if finish is not None:
         meta["e2e_latency"] = 0.05 * ids_so_far
         meta.update(spec_meta(ids_so_far, behaviour))
+        meta.update(behaviour.final_meta)
     return meta
 
 
@@ -137,6 +147,7 @@ def spec_tokens_details(n_tokens: int, behaviour: Behaviour) -> dict[str, Any] |
         "spec_verify_ct": meta["spec_verify_ct"],
         "spec_correct_drafts_histogram": meta["spec_correct_drafts_histogram"],
         "spec_cap_lens_histogram": [],
+        **behaviour.spec_details,
     }
 
 
@@ -153,6 +164,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        if self.server.behaviour.mode == "bad_gzip":
+            self.send_header("Content-Encoding", "gzip")
         self.end_headers()
         self.wfile.write(body)
 
@@ -160,6 +173,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
+        if self.server.behaviour.mode == "bad_gzip":
+            self.send_header("Content-Encoding", "gzip")
         self.end_headers()
 
     def _chunk(self, data: bytes) -> None:
@@ -179,6 +194,15 @@ class _Handler(BaseHTTPRequestHandler):
         if b.mode == "http500":
             self._send(500, json.dumps({"error": {"message": "CUDA error: device-side assert"}}).encode())
             return True
+        if b.mode == "redirect":
+            self.send_response(307)
+            self.send_header("Location", f"http://127.0.0.1:1{self.path}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
+        if b.mode == "http401":
+            self._send(401, json.dumps({"error": "Unauthorized"}).encode())
+            return True
         if b.mode == "malformed":
             self._send(200, b'{"text": "half a respo')
             return True
@@ -193,6 +217,8 @@ class _Handler(BaseHTTPRequestHandler):
         b = self.server.behaviour
         if self.path == "/health":
             self._send(200, b"")
+        elif self.path == "/server_info" and b.server_info_body is not None:
+            self._send(200, b.server_info_body)
         elif self.path == "/server_info":
             info = {
                 "model_path": "tiny-qwen3",
@@ -234,7 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
         params = body.get("sampling_params", {})
         ids, finish = plan(prompt, params.get("max_new_tokens", 128), params.get("ignore_eos", False))
         rid = f"gen-{self.server.next_id()}"
-        if not body.get("stream"):
+        if not body.get("stream") or b.mode == "no_sse":
             out = {
                 "text": text_for(ids),
                 "output_ids": ids,
@@ -284,9 +310,10 @@ class _Handler(BaseHTTPRequestHandler):
             "prompt_tokens_details": None,
             "reasoning_tokens": 0,
             "completion_tokens_details": None,
+            **b.usage,
         }
         matched = finish.get("matched")
-        if not body.get("stream"):
+        if not body.get("stream") or b.mode == "no_sse":
             out: dict[str, Any] = {
                 "id": rid,
                 "object": "chat.completion",

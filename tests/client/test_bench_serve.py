@@ -160,6 +160,8 @@ def test_cli_stops_when_every_request_fails(tmp_path) -> None:
         (["--compare", "A=http://b", "A=http://c", "--prompts", "x.jsonl"], "distinct"),
         (["--compare", "A=http://b", "B=http://c", "--baseline", "C", "--prompts", "x.jsonl"], "--baseline"),
         (["--url", "http://a", "--prompts", "missing.jsonl"], "no such file"),
+        (["--url", "http://a:99999", "--prompts", "x.jsonl"], r"^--url: base_url 'http://a:99999': port"),
+        (["--compare", "A=http://b:0", "B=http://c", "--prompts", "x"], r"^--compare A=: .* port 0 is"),
     ],
 )
 def test_cli_argument_errors(argv, message) -> None:

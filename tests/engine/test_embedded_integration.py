@@ -3,9 +3,9 @@
 import pytest
 
 from sglang_hspec.assets.prompts import chat_input_ids, load_prompts
+from sglang_hspec.core.types import SamplingParams
 from sglang_hspec.engine.drafters import NGramDrafter, NoDrafter, RandomDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine
-from sglang_hspec.engine.types import SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from sglang_hspec.assets.tiny import tiny_target
+from sglang_hspec.core.types import DraftProposal, SamplingParams
 from sglang_hspec.engine.drafters import NGramDrafter, NoDrafter, RandomDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine
-from sglang_hspec.engine.types import DraftProposal, SamplingParams
 from sglang_hspec.target.adapter import TargetAdapter
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -25,7 +25,7 @@ class OracleDrafter:
     name = "oracle"
     target_layer_ids = ()
     kv_layer_ids = ()
-    window = 1
+    sliding_window = 1
 
     def __init__(self, model, block_size, good):
         self.model, self.block_size, self.good = model, block_size, good

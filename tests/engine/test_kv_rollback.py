@@ -1,9 +1,9 @@
 import torch
 
 from sglang_hspec.assets.tiny import tiny_target
+from sglang_hspec.core.types import SamplingParams
 from sglang_hspec.engine.drafters import RandomDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine
-from sglang_hspec.engine.types import SamplingParams
 from sglang_hspec.target.adapter import TargetAdapter
 
 
@@ -12,7 +12,7 @@ class KVCheckingDrafter(RandomDrafter):
     the committed prefix (all layers), then proposes random tokens (many rejections)."""
 
     kv_layer_ids = (0, 3)
-    window = 5
+    sliding_window = 5
 
     def __init__(self, adapter, vocab):
         super().__init__(vocab, block_size=4)
@@ -34,7 +34,7 @@ class KVCheckingDrafter(RandomDrafter):
             # the drafter's window view reads exactly the last W committed positions
             view = ctx.kv_views[3]
             k, _ = view.select(torch.tensor([b])).gather()
-            w = min(self.window, n)
+            w = min(self.sliding_window, n)
             torch.testing.assert_close(k[0, :, -w:], ref.kv[3][0][0, :, n - w:n], atol=1e-5, rtol=1e-4)
             assert view.valid[b].sum() == w
             self.checks += 1

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from sglang_hspec.assets.tiny import tiny_target
+from sglang_hspec.core.types import DraftContext, SamplingParams
 from sglang_hspec.engine.drafters import NoDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine
-from sglang_hspec.engine.types import DraftContext, SamplingParams
 from sglang_hspec.model import KINDS, HSpecConfig, build_drafter
 from sglang_hspec.target.adapter import TargetAdapter
 from sglang_hspec.target.geometry import TargetGeometry
@@ -43,7 +43,7 @@ class RecomputeCheck:
 
     def __init__(self, drafter, adapter):
         self.inner, self.adapter, self.fresh = drafter, adapter, copy.deepcopy(drafter)
-        for attr in ("name", "block_size", "target_layer_ids", "kv_layer_ids", "window"):
+        for attr in ("name", "block_size", "target_layer_ids", "kv_layer_ids", "sliding_window"):
             setattr(self, attr, getattr(drafter, attr))
         self.checks = 0
         self.last_position: dict[int, int] = {}
@@ -65,7 +65,7 @@ class RecomputeCheck:
             feats = self.adapter.full_forward(torch.tensor([hist]), hidden_layer_ids=self.target_layer_ids,
                                               kv_layer_ids=self.kv_layer_ids)
             last = torch.tensor([n])
-            views = {lid: dense_window_view(*feats.kv[lid], last, self.window) for lid in self.kv_layer_ids}
+            views = {lid: dense_window_view(*feats.kv[lid], last, self.sliding_window) for lid in self.kv_layer_ids}
             hidden = feats.hidden
             self.fresh.reset()
             ref = self.fresh.propose(DraftContext(

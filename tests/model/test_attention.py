@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_hspec.engine.types import DraftContext
+from sglang_hspec.core.types import DraftContext
 from sglang_hspec.model.hspec import apply_rope, gather_window
 from sglang_hspec.target.kv_view import TargetKVView, dense_window_view
 

@@ -1,11 +1,14 @@
 """Checkpoint round trip, validation against the target, draft vocabulary."""
 
 import dataclasses
+import errno
 import json
+import os
 
 import pytest
 import torch
 
+from sglang_hspec.core.atomic import ArtifactWriteError
 from sglang_hspec.model import KINDS, build_draft_vocab, load_drafter, save_drafter
 from sglang_hspec.target.geometry import TargetGeometry
 
@@ -46,9 +49,11 @@ def test_load_names_mismatched_field_and_both_values(tmp_path, target):
         other = dataclasses.replace(geom, **{field: value})
         with pytest.raises(ValueError, match=rf"target\.{field}: checkpoint .* vs target {value!r}"):
             load_drafter(tmp_path, other, *args)
-    with pytest.raises(ValueError, match=r"target_layer_ids: checkpoint 5 vs target '< 4'"):
+    with pytest.raises(ValueError, match=r"target\.num_hidden_layers: checkpoint 6 vs target 4; "
+                                         r"target_layer_ids: checkpoint 5 vs target '< 4'"):
         load_drafter(tmp_path, dataclasses.replace(geom, num_hidden_layers=4), *args)
-    with pytest.raises(ValueError, match=r"block_size: checkpoint 7 vs target 5"):
+    with pytest.raises(ValueError, match=r"block_size 5 was requested, but this hspec drafter proposes 7 tokens "
+                                         r"per step .* \(drop --block-size\) or ask for 7"):
         load_drafter(tmp_path, geom, *args, block_size=5)
 
 
@@ -82,3 +87,111 @@ def test_draft_ids_map_outside_vocab_to_spare_row(target):
     assert model.to_draft_ids(torch.tensor([28, 127, 5])).tolist() == [0, 99, 100]
     with pytest.raises(ValueError, match="repeated"):
         model.set_draft_vocab(torch.zeros(100, dtype=torch.long))
+
+
+# ------------------------------------------------------------------ damaged checkpoints
+
+
+def _saved(tmp_path, target):
+    save_drafter(make_drafter("hspec", target), tmp_path)
+    return TargetGeometry.from_hf_config(target.config), (target.model.embed_tokens, target.lm_head)
+
+
+def test_truncated_config_json_names_the_file_and_the_fix(tmp_path, target):
+    geom, args = _saved(tmp_path, target)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(cfg.read_text()[:500])
+    with pytest.raises(ValueError) as err:
+        load_drafter(tmp_path, geom, *args)
+    msg = str(err.value)
+    assert msg.startswith(f"{cfg} is not valid JSON (Unterminated string") or msg.startswith(f"{cfg} is not valid JSON")
+    assert "truncated or damaged; re-copy the checkpoint, or write it again with" in msg
+
+
+def test_truncated_safetensors_names_the_file_and_the_fix(tmp_path, target):
+    geom, args = _saved(tmp_path, target)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"^{weights} cannot be read as safetensors \(.*\): it is truncated or "
+                                         "damaged; re-copy the checkpoint"):
+        load_drafter(tmp_path, geom, *args)
+
+
+def test_config_written_for_a_shallower_target_names_the_layer_counts(tmp_path, target):
+    """The config says its target had 4 layers (ids 0..3 valid) while this target has 6: the layer counts
+    are the cause, the out-of-range id 5 only the symptom, and both are named."""
+    geom, args = _saved(tmp_path, target)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["hspec"]["target"]["num_hidden_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as err:
+        load_drafter(tmp_path, geom, *args)
+    assert str(err.value) == (f"drafter checkpoint {tmp_path} does not match the target: "
+                              "target.num_hidden_layers: checkpoint 4 vs target 6. "
+                              "Load the drafter trained for this target (or retrain it).")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: c.pop("hspec"), "has no 'hspec' section; was it written by save_drafter?"),
+    (lambda c: c["hspec"]["target"].pop("vocab_size"), "hspec.target section is not a valid target geometry"),
+    (lambda c: c["hspec"].update(block_size=0), "invalid drafter config: block_size must be positive, got 0"),
+    (lambda c: c["hspec"].update(colour="red"), "invalid drafter config: unknown drafter config fields ['colour']"),
+], ids=["no-hspec-section", "geometry-field-missing", "block-size-0", "unknown-field"])
+def test_invalid_config_fields_name_the_file(tmp_path, target, damage, message):
+    geom, args = _saved(tmp_path, target)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    damage(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as err:
+        load_drafter(tmp_path, geom, *args)
+    assert str(err.value).startswith(f"{tmp_path / 'config.json'}") and message in str(err.value)
+
+
+# ------------------------------------------------------------------ crash safety
+
+
+class _DiskFullAfter:
+    """A file object that writes while the disk has room (`free[0]` bytes, shared by every file opened),
+    then fails the way a full disk does, after writing what fitted."""
+
+    def __init__(self, inner, free):
+        self.inner, self.free = inner, free
+
+    def write(self, data):
+        if len(data) > self.free[0]:
+            self.inner.write(data[: self.free[0]])
+            self.free[0] = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.free[0] -= len(data)
+        return self.inner.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+@pytest.mark.parametrize("where", ["first-byte", "mid-weights", "config"])
+def test_save_drafter_on_a_full_disk_keeps_the_previous_checkpoint(tmp_path, target, monkeypatch, where):
+    """ENOSPC mid-write (in the weights, or in the config after the weights were written): a clear error
+    naming the file, the previous checkpoint byte-identical and loadable, no temp file left behind."""
+    old_model = make_drafter("hspec", target, seed=1)
+    save_drafter(old_model, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    weights = len(before["model.safetensors"])  # the new weights have the same size: same architecture
+    free = [{"first-byte": 0, "mid-weights": weights // 2, "config": weights + 100}[where]]
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: _DiskFullAfter(real_fdopen(*a, **k), free))
+    failing = "config.json" if where == "config" else "model.safetensors"
+    with pytest.raises(ArtifactWriteError, match=rf"could not write {tmp_path / failing}: "
+                                                 "No space left on device; the disk may be full. The previous"):
+        save_drafter(make_drafter("hspec", target, seed=2), tmp_path)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    loaded = load_drafter(tmp_path, TargetGeometry.from_hf_config(target.config), target.model.embed_tokens,
+                          target.lm_head, dtype=torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), old_model.state_dict().values()))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang_hspec.engine.types import DraftContext, SamplingParams
+from sglang_hspec.core.types import DraftContext, SamplingParams
 from sglang_hspec.target.kv_view import dense_window_view
 
 from ._tiny import make_drafter, make_target, target_features
@@ -88,7 +88,7 @@ def sequential_backbone(model, anchor, n, hidden_last, contexts):
 
 def context_for(model, feats, n):
     hidden_last = feats.hidden[torch.arange(n.shape[0]), n] if model.target_layer_ids else None
-    views = {lid: dense_window_view(*feats.kv[lid], n, model.window) for lid in model.kv_layer_ids}
+    views = {lid: dense_window_view(*feats.kv[lid], n, model.sliding_window) for lid in model.kv_layer_ids}
     return hidden_last, views
 
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from sglang_hspec.engine.types import DraftContext, SamplingParams
+from sglang_hspec.core.types import DraftContext, SamplingParams
 from sglang_hspec.target.kv_view import dense_window_view
 
 from ._tiny import make_drafter, make_target
@@ -45,7 +45,7 @@ def _propose(model, T, hidden_all):
     kv, D = model.config.target.num_key_value_heads, model.config.target.head_dim
     K = torch.randn(1, kv, T, D, generator=g, dtype=torch.float64)
     ctx = DraftContext(torch.tensor([5]), n, hidden_all[:, T - 1],
-                       {lid: dense_window_view(K, K, n, model.window) for lid in model.kv_layer_ids},
+                       {lid: dense_window_view(K, K, n, model.sliding_window) for lid in model.kv_layer_ids},
                        row_ids=torch.tensor([0]), new_hidden=hidden_all[:, :T], new_hidden_lengths=torch.tensor([T]))
     model.propose(ctx, SamplingParams())
 

@@ -43,6 +43,9 @@ def test_cli_on_tiny_target_writes_table_and_png(tmp_path):
                "--warmup", "1", "--factory-arg", "target=tiny", "--factory-arg", "context=16", "--repeats", "2", "--steps-per-repeat", "1", "--out", str(out)])
     assert rc == 0
     table = load_sps_table(out)
-    assert set(json.loads(out.read_text())) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
+    # SGLang's three fields, plus the plain-decode columns (the tiny target has no drafter: no draft column)
+    assert set(json.loads(out.read_text())) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens",
+                                                "plain_batch_sizes", "plain_steps_per_sec"}
+    assert table.plain_batch_sizes == [1, 2, 4, 8, 16, 32, 64] and all(s > 0 for s in table.plain_steps_per_sec)
     assert table.sample_batch_tokens == [8, 32] and all(s > 0 for s in table.sample_steps_per_sec)
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -1,4 +1,4 @@
-"""Tiny checkpoints for the SGLang CPU tier (shared/reference/offline-assets.md §3, sglang-cpu-e2e.md §6).
+"""Tiny checkpoints for the SGLang CPU tier (tests/sglang_cpu/README.md, "Tiny checkpoints").
 
 Built in code in a few seconds, written as HF `config.json` + safetensors + tokenizer files so that
 SGLang loads them as it would any model directory. Deterministic: same seed -> same bytes.

@@ -3,8 +3,11 @@
 The checkpoint is what `save_drafter` writes; its config.json goes through transformers' AutoConfig as
 SGLang loads it. The target context is real: the tiny Qwen3 target's post-RoPE KV cache, scattered
 over a paged pool as SGLang's allocator leaves it, and its layer-0 output captured as SGLang packs it.
-The adapter's block forward + SGLang's own VanillaMarkov / DSparkConfidenceHead must reproduce
-`DraftModel.propose` (greedy tokens, logits, confidence logits) for requests of different lengths."""
+The adapter's block forward (the drafter's own `backbone`) + its draft-vocabulary heads, driven the way
+DSpark's sampler drives them, and SGLang's DSparkConfidenceHead must reproduce `DraftModel.propose`
+(greedy tokens, logits, confidence logits) for requests of different lengths; the head never reads the
+LM head's rows outside the draft vocabulary; and the whole draft step is CUDA-graph safe (meta device
+under tests/model/_graph_guard.py)."""
 
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ def test_adapter_reproduces_the_reference_drafter_on_a_paged_pool(checkpoints, m
     from sglang_cpu import builders
     from transformers import DynamicCache
 
-    from sglang_hspec.engine.types import DraftContext, SamplingParams
+    from sglang_hspec.core.types import DraftContext, SamplingParams
     from sglang_hspec.model.checkpoint import load_drafter
     from sglang_hspec.model.hspec import gather_window
     from sglang_hspec.sglang_plugin.context import ContextState
@@ -157,3 +160,70 @@ def test_adapter_reproduces_the_reference_drafter_on_a_paged_pool(checkpoints, m
         seq_lens[:1] - 1, cfg.sliding_window) for i, L in enumerate(cfg.kv_reuse_layer_ids)}
     ref_h = ref.backbone(anchors[:1], seq_lens[:1] - 1, hidden_last[0].expand(5, H)[None], ctx_views)
     torch.testing.assert_close(hidden.view(bs, k, -1)[0], ref_h[0], rtol=1e-5, atol=1e-5)
+
+
+def test_draft_head_reads_only_the_draft_vocabulary_rows(checkpoints, monkeypatch):
+    from sglang_cpu import builders
+
+    target_dir, draft_dir = checkpoints
+    target = builders.load_target(target_dir)
+    model = _adapter(draft_dir, target, monkeypatch)
+    d2t = model.drafter.d2t
+    V, Vd = model.hspec_config.target.vocab_size, d2t.numel()
+    assert Vd < V
+    poisoned = torch.nn.Linear(target.lm_head.in_features, V, bias=False)
+    with torch.no_grad():
+        poisoned.weight.fill_(float("nan"))
+        poisoned.weight[d2t] = target.lm_head.weight[d2t]  # only the draft rows are real
+    model.attach_shared_modules(embed_tokens=target.get_input_embeddings(), lm_head=_Head(poisoned))
+    hidden = torch.randn(5, target.lm_head.in_features, generator=torch.Generator().manual_seed(0))
+    base, _ = model.compute_base_logits(hidden)
+    assert base.shape == (5, V)
+    torch.testing.assert_close(base[:, d2t], hidden @ target.lm_head.weight[d2t].T)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[d2t] = False
+    assert torch.isneginf(base[:, outside]).all()  # no NaN row was multiplied
+    bias, _ = model.markov_head.step_bias(torch.tensor([int(d2t[0]), int(outside.nonzero()[0])]),
+                                          hidden_states=None, state=None)
+    assert bias.shape == (2, V) and (bias[:, outside] == 0).all()
+    # the Markov head is the drafter's own V_d head: no [V, rank] copy of W1 / W2
+    assert sum(p.numel() for p in model.markov_head.parameters()) == 0
+
+
+@torch.no_grad()
+def test_sglang_draft_step_is_cuda_graph_safe(checkpoints, monkeypatch):
+    """forward + base logits + DSpark's Markov steps + confidence on the meta device: no host read, no
+    host-to-device copy (what CUDA-graph capture of the draft forward requires)."""
+    from model._graph_guard import forbid_host_sync
+    from sglang_cpu import builders
+
+    from sglang_hspec.sglang_plugin.context import ContextState
+
+    target_dir, draft_dir = checkpoints
+    target = builders.load_target(target_dir)
+    model = _adapter(draft_dir, target, monkeypatch).to("meta")
+    cfg = model.hspec_config
+    t = cfg.target
+    meta_head = _Head(torch.nn.Linear(t.hidden_size, t.vocab_size, bias=False, device="meta"))
+    model.attach_shared_modules(embed_tokens=torch.nn.Embedding(t.vocab_size, t.hidden_size, device="meta"),
+                                lm_head=meta_head)
+    bs, k, slots = 4, cfg.block_size, 256
+    pool = SimpleNamespace(get_key_buffer=lambda L: torch.empty(slots, t.num_key_value_heads, t.head_dim, device="meta"),
+                           get_value_buffer=lambda L: torch.empty(slots, t.num_key_value_heads, t.head_dim, device="meta"))
+    model.bind_target_kv(pool, torch.empty(8, 64, dtype=torch.int32, device="meta"))
+    model.context_state = ContextState(req_pool_size=8, rank=cfg.fusion_rank, project=model.project_context,
+                                       device="meta", dtype=torch.float32)
+    fb = SimpleNamespace(batch_size=bs, req_pool_indices=torch.empty(bs, dtype=torch.long, device="meta"),
+                         seq_lens=torch.empty(bs, dtype=torch.long, device="meta"))
+    ids = torch.empty(bs * k, dtype=torch.long, device="meta")
+    with forbid_host_sync():
+        hidden = model(ids, torch.empty(bs * k, dtype=torch.long, device="meta"), fb).hidden_states
+        base, features = model.compute_base_logits(hidden)
+        prev, tokens = ids.view(bs, k)[:, 0], []
+        for j in range(k):
+            bias, _ = model.markov_head.step_bias(prev, hidden_states=None, state=None)
+            prev = (base.view(bs, k, -1)[:, j] + bias).argmax(-1)
+            tokens.append(prev)
+        conf, _ = model.compute_confidence(anchor_tokens=ids.view(bs, k)[:, 0], draft_tokens=torch.stack(tokens, 1),
+                                           confidence_features=features)
+    assert hidden.shape == (bs * k, cfg.hidden_size) and conf.shape == (bs, k)

@@ -67,9 +67,10 @@ def test_accept_length_matches_reference_engine_tau(embedded_prompts, hspec_run,
     decode step that found the request unfinished (batch_result_processor). Our engine's own `tau` is
     accepted + bonus per verify step without the prefill token; the same definition as SGLang's on the
     engine is len(output_ids) / verify steps. Both sides: mean over the prompts of the per-request value."""
+    from sglang_hspec.core.types import SamplingParams
     from sglang_hspec.engine.engine import SpeculativeEngine
-    from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR, load_drafter_spec, load_target
-    from sglang_hspec.engine.types import SamplingParams
+    from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR, load_drafter_spec
+    from sglang_hspec.target.loading import load_target
 
     _, prompts = embedded_prompts
     adapter = load_target("embedded", dtype="float32")

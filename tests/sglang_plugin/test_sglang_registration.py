@@ -133,7 +133,7 @@ def test_predicates_match_dspark_except_the_v1_limits(hspec):
     dspark = SpeculativeAlgorithm.DSPARK
     names = sorted(n for n in vars(SpeculativeAlgorithm) if n.startswith(("is_", "supports_")))
     differ = {n for n in names if getattr(hspec, n)() != getattr(dspark, n)()}
-    # v1: no mixed chunked prefill and no prefill shared-read-done (sglang-integration.md §3)
+    # v1: no mixed chunked prefill and no prefill shared-read-done (docs/architecture.md, "Registration")
     assert differ == {"supports_mixed_chunk", "supports_prefill_shared_read_done"}
     assert hspec.is_dspark() and hspec.is_dflash_family() and not hspec.is_eagle()
     assert hspec.has_draft_kv() is False

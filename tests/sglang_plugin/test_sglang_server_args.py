@@ -56,12 +56,12 @@ def _args(ckpts, **kw):
     return SimpleNamespace(**base)
 
 
-@pytest.mark.parametrize("draft,window", [("draft", 8), ("draft5", 6)])
-def test_draft_tokens_are_block_size_plus_one_from_the_checkpoint(ckpts, draft, window):
+@pytest.mark.parametrize("draft,num_draft_tokens", [("draft", 8), ("draft5", 6)])
+def test_draft_tokens_are_block_size_plus_one_from_the_checkpoint(ckpts, draft, num_draft_tokens):
     args = _args(ckpts, speculative_draft_model_path=str(ckpts[draft]))
     sa.validate_server_args(args)
     sa.handle_server_args(args)
-    assert args.speculative_num_draft_tokens == window
+    assert args.speculative_num_draft_tokens == num_draft_tokens
     assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
     assert args.max_running_requests == 48
     assert args.enable_mixed_chunk is False
@@ -133,16 +133,35 @@ def test_multimodal_wrapper_is_checked_on_its_text_config():
     ({"enable_dp_attention": True}, "DP attention"),
     ({"disaggregation_mode": "decode"}, "disaggregation"),
     ({"enable_unified_memory": True}, "unified-memory"),
+    # block-scaled KV pools: the drafter's attention dequantises per-tensor FP8 only
+    ({"kv_cache_dtype": "nvfp4"}, "--kv-cache-dtype nvfp4"),
+    ({"kv_cache_dtype": "mxfp8"}, "--kv-cache-dtype mxfp8"),
 ])
 def test_unsupported_parallel_modes_are_rejected(ckpts, kw, match):
     with pytest.raises(ValueError, match=match):
         sa.validate_server_args(_args(ckpts, **kw))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_cache_dtypes_the_drafter_reads_are_accepted(ckpts, kv_cache_dtype):
+    sa.validate_server_args(_args(ckpts, kv_cache_dtype=kv_cache_dtype))
+
+
 def test_drafter_for_another_target_is_rejected(ckpts, tmp_path):
     other = _write(tmp_path / "other", _target_config(num_key_value_heads=4))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         sa.validate_server_args(_args(ckpts, model_path=str(other)))
+
+
+def test_a_drafter_for_a_shallower_target_names_the_layer_count(ckpts, tmp_path):
+    """The cause (the layer count), not its symptom (a layer id out of range for the drafter's own target)."""
+    cfg = json.loads((ckpts["draft"] / "config.json").read_text())
+    layers = cfg["hspec"]["target"]["num_hidden_layers"]
+    ids = cfg["hspec"]["target_layer_ids"]
+    cfg["hspec"]["target"]["num_hidden_layers"] = max(ids)  # the drafter's largest id no longer exists there
+    shallow = _write(tmp_path / "shallow_draft", cfg)
+    with pytest.raises(ValueError, match=rf"num_hidden_layers: checkpoint {max(ids)} vs target {layers}"):
+        sa.validate_server_args(_args(ckpts, speculative_draft_model_path=str(shallow)))
 
 
 def test_old_hspec_model_type_is_rejected_with_the_fix(ckpts, tmp_path):

@@ -95,7 +95,7 @@ def fake_profile(monkeypatch, tmp_path):
     monkeypatch.setenv("HSPEC_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
 
-    def profile_with_server(*, out, settings):
+    def profile_with_server(*, out, settings, plain_probes=False):
         calls.append(settings)
         save_sps_table(TABLE, out)
 
@@ -106,7 +106,7 @@ def fake_profile(monkeypatch, tmp_path):
 def test_auto_profile_profiles_once_then_reuses_the_cache(tmp_path, fake_profile, caplog):
     caplog.set_level(logging.INFO)
     args = _server_args(tmp_path)
-    path = sps_cache.resolve_sps_table(args, verify_tokens=8, environ=COMPACT)
+    path = sps_cache.resolve_sps_table(args, block_size=7, environ=COMPACT)
     key = SpsCacheKey.from_server_args(args)
     assert path == tmp_path / "cache" / "sps" / key.file_name()
     assert args.speculative_dspark_sps_table_path == str(path)  # what SGLang's planner loads
@@ -117,13 +117,13 @@ def test_auto_profile_profiles_once_then_reuses_the_cache(tmp_path, fake_profile
 
     caplog.clear()
     again = _server_args(tmp_path)
-    assert sps_cache.resolve_sps_table(again, verify_tokens=8, environ=COMPACT) == path
+    assert sps_cache.resolve_sps_table(again, block_size=7, environ=COMPACT) == path
     assert again.speculative_dspark_sps_table_path == str(path)
     assert len(fake_profile) == 1  # not profiled again
     assert f"reusing cached SPS table {path}" in caplog.text
 
     other = _server_args(tmp_path, tp_size=2)  # another key: profiled separately
-    assert sps_cache.resolve_sps_table(other, verify_tokens=8, environ=COMPACT) != path
+    assert sps_cache.resolve_sps_table(other, block_size=7, environ=COMPACT) != path
     assert len(fake_profile) == 2
 
 
@@ -132,14 +132,14 @@ def test_unusable_cached_table_is_profiled_again(tmp_path, fake_profile, caplog)
     path = sps_cache.table_path_for(SpsCacheKey.from_server_args(args))
     path.parent.mkdir(parents=True)
     path.write_text('{"sample_batch_tokens":[1],"sample_steps_per_sec":[1.0],"max_batch_tokens":8}')
-    assert sps_cache.resolve_sps_table(args, verify_tokens=8, environ=COMPACT) == path
+    assert sps_cache.resolve_sps_table(args, block_size=7, environ=COMPACT) == path
     assert len(fake_profile) == 1 and load_sps_table(path) == TABLE
     assert "is unusable" in caplog.text and "placeholder" in caplog.text
 
 
 def test_without_table_and_auto_profile_a_warning_says_full_block_and_how(tmp_path, fake_profile, caplog):
     args = _server_args(tmp_path)
-    assert sps_cache.resolve_sps_table(args, verify_tokens=8, environ={"SGLANG_RAGGED_VERIFY_MODE": "compact"}) is None
+    assert sps_cache.resolve_sps_table(args, block_size=7, environ={"SGLANG_RAGGED_VERIFY_MODE": "compact"}) is None
     assert args.speculative_dspark_sps_table_path is None and fake_profile == []
     [record] = [r for r in caplog.records if r.name == sps_cache.__name__]
     assert record.levelno == logging.WARNING
@@ -151,7 +151,7 @@ def test_without_table_and_auto_profile_a_warning_says_full_block_and_how(tmp_pa
 @pytest.mark.parametrize("auto", [False, True])
 def test_static_mode_warns_and_never_profiles(tmp_path, fake_profile, caplog, auto):
     env = {"HSPEC_AUTO_PROFILE_SPS": "1"} if auto else {}  # static is SGLang's default mode
-    assert sps_cache.resolve_sps_table(_server_args(tmp_path), verify_tokens=4, environ=env) is None
+    assert sps_cache.resolve_sps_table(_server_args(tmp_path), block_size=3, environ=env) is None
     assert fake_profile == []
     msg = caplog.records[-1].getMessage()
     assert caplog.records[-1].levelno == logging.WARNING
@@ -174,7 +174,7 @@ def test_given_table_is_checked_and_used(tmp_path, fake_profile, caplog):
 
 def test_the_profiling_server_neither_profiles_nor_warns(tmp_path, fake_profile, caplog):
     env = {**COMPACT, "HSPEC_SPS_PROFILING_SERVER": "1"}
-    assert sps_cache.resolve_sps_table(_server_args(tmp_path), verify_tokens=8, environ=env) is None
+    assert sps_cache.resolve_sps_table(_server_args(tmp_path), block_size=7, environ=env) is None
     assert fake_profile == [] and caplog.records == []
 
 
@@ -186,7 +186,7 @@ def test_failed_auto_profile_logs_an_error_and_serves_without_table(tmp_path, mo
 
     monkeypatch.setattr(sps_profile, "profile_with_server", broken)
     args = _server_args(tmp_path)
-    assert sps_cache.resolve_sps_table(args, verify_tokens=8, environ=COMPACT) is None
+    assert sps_cache.resolve_sps_table(args, block_size=7, environ=COMPACT) is None
     assert args.speculative_dspark_sps_table_path is None
     [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert "exited with 1" in error.getMessage() and "verifies its full block" in error.getMessage()

@@ -12,8 +12,6 @@ import torch
 from torch import nn
 
 from sglang_hspec.assets.tiny import tiny_target
-from sglang_hspec.target import adapter as adapter_mod
-from sglang_hspec.target.adapter import TargetAdapter
 from sglang_hspec.target.hf_compat import (
     cache_kwarg,
     forward_with_kv,
@@ -116,36 +114,3 @@ def test_layer_kv_reads_older_cache_layouts():
     assert layer_kv(((k, v),), 0) == (k, v)
     with pytest.raises(RuntimeError, match="holds 1 layers"):
         layer_kv(((k, v),), 1)
-
-
-def test_extend_raises_when_the_target_ignores_the_ragged_cache(monkeypatch):
-    adapter = TargetAdapter(tiny_target("llama", num_layers=2))
-    adapter.reset(1, capacity=8)
-    # pass the cache under a name no transformers release reads: the model swallows it into **kwargs
-    monkeypatch.setattr(adapter_mod, "call_with_cache",
-                        lambda module, cache, **inputs: module(**inputs, ragged_cache=cache, use_cache=True))
-    with pytest.raises(RuntimeError, match="wrote 0 of its 2 layers"):
-        adapter.extend(torch.tensor([[5, 6, 7]]))
-    assert int(adapter.lengths[0]) == 0  # nothing committed
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_ragged_extend_matches_a_full_forward(arch):
-    """The inference path (ragged cache passed through call_with_cache, rows of different lengths, the
-    storage grown mid-way) leaves the same K/V, logits and hidden states as one forward per sequence."""
-    adapter = TargetAdapter(tiny_target(arch, dtype=torch.float64, num_layers=3))
-    seqs = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]]
-    adapter.reset(2, capacity=4)
-    adapter.extend(torch.tensor([[5, 6, 7, 8], [12, 13, 2, 2]]), num_tokens=torch.tensor([4, 2]))
-    out = adapter.extend(torch.tensor([[9, 10, 11], [14, 15, 2]]), num_tokens=torch.tensor([3, 2]),
-                         hidden_layer_ids=[1])
-    assert adapter.lengths.tolist() == [7, 4] and adapter.cache.capacity >= 7
-    for b, (seq, m) in enumerate(zip(seqs, (3, 2))):
-        n = len(seq)
-        ref = adapter.full_forward(torch.tensor([seq]), hidden_layer_ids=[1], kv_layer_ids=range(3),
-                                   return_logits=True)
-        for L, (k, v) in ref.kv.items():
-            torch.testing.assert_close(adapter.cache.layers[L].keys[b, :, :n], k[0], rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(adapter.cache.layers[L].values[b, :, :n], v[0], rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(out.logits[b, :m], ref.logits[0, n - m:], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.hidden[b, :m], ref.hidden[0, n - m:], rtol=1e-9, atol=1e-9)

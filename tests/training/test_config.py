@@ -64,3 +64,11 @@ def test_smollm2_configs_share_one_recipe(name):
     assert cfg.training.model_dump() | {"output_dir": ""} == \
         load_config(ROOT / "configs" / "train_hspec_smollm2.yaml").training.model_dump() | {"output_dir": ""}
     assert cfg.training.lr == 6e-4 and cfg.training.warmup_ratio == 0.04 and base["model"]["block_size"] == 7
+
+
+def test_init_from_target_layers_and_from_a_checkpoint_together_is_a_clear_error():
+    with pytest.raises(ValueError, match="model.init=target_layers and model.init_from=.* both initialise"):
+        load_config(TINY, ["model.init=target_layers", "model.init_from=runs/x/checkpoint-10"])
+    assert load_config(TINY, ["model.init=target_layers"]).model.init == "target_layers"
+    with pytest.raises(ValueError, match="model.init"):
+        load_config(TINY, ["model.init=zeros"])

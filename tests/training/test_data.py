@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -12,7 +11,6 @@ from sglang_hspec.training.data import (
     load_examples,
     patterned_examples,
     read_jsonl,
-    regenerate,
     tokenize_conversation,
 )
 
@@ -78,46 +76,6 @@ def test_code_records_are_chat_pairs_of_bounded_size():
     for r in recs:
         assert [m["role"] for m in r["conversations"]] == ["user", "assistant"]
         assert 0 < len(r["conversations"][1]["content"]) <= 1500
-
-
-class FakeGenerator:
-    """Stands in for a causal LM: appends the tokens of a fixed reply; raises on prompts containing BOOM."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.calls = 0
-
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=8, **kw):
-        self.calls += 1
-        if any("BOOM" in self.tok.decode(row) for row in input_ids):
-            raise RuntimeError("generation failed")
-        reply = torch.tensor(self.tok("fine thanks", add_special_tokens=False)["input_ids"])
-        return torch.cat([input_ids, reply.expand(input_ids.shape[0], -1)], dim=1)
-
-
-def test_regenerate_is_resumable_and_accounts_for_every_record(tmp_path, chat_tokenizer):
-    src = tmp_path / "in.jsonl"
-    recs = [{"id": f"c{i}", "conversations": [{"role": "user", "content": f"hello {i}"},
-                                              {"role": "assistant", "content": "old"},
-                                              {"role": "user", "content": "and you?"},
-                                              {"role": "assistant", "content": "old"}]} for i in range(5)]
-    recs[3]["conversations"][0]["content"] = "BOOM"
-    recs.append({"id": "sys-only", "conversations": [{"role": "system", "content": "x"}]})
-    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    out = tmp_path / "out.jsonl"
-    first = regenerate(model=FakeGenerator(chat_tokenizer), tokenizer=chat_tokenizer, in_path=src, out_path=out,
-                       batch_size=2, limit=2)
-    assert (first.input, first.success, first.error, first.skipped) == (2, 2, 0, 0)
-    second = regenerate(model=FakeGenerator(chat_tokenizer), tokenizer=chat_tokenizer, in_path=src, out_path=out,
-                        batch_size=2)
-    # c0, c1 done before; c3 fails (its batch is retried record by record); sys-only has no user turn
-    assert (second.input, second.success, second.error, second.skipped) == (6, 2, 1, 3)
-    rows = {r["id"]: r for r in read_jsonl(out)}
-    assert sorted(rows) == ["c0", "c1", "c2", "c4", "sys-only"]
-    assert [m["content"] for m in rows["c4"]["conversations"]] == ["hello 4", "fine thanks", "and you?", "fine thanks"]
-    assert [r["id"] for r in read_jsonl(out.with_suffix(".errors.jsonl"))] == ["c3"]
 
 
 def test_pretokenized_and_patterned_examples():

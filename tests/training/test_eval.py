@@ -77,7 +77,7 @@ def test_eval_writes_consistent_json_markdown_png_and_records(setup):
 
     # one shard stem per (dataset, temperature); every verify with >= 1 draft is one record row
     records = load_records(data=str(rec))
-    assert records.gamma == K and len(payload["confidence_shards"]) == 4
+    assert records.block_size == K and len(payload["confidence_shards"]) == 4
     steps = [(a, v) for q in reqs for a, v in zip(q["accept_lengths"], q["verify_lengths"]) if v > 0]
     assert records.num_samples == len(steps)
     assert int(records.prefix_mask.sum()) == sum(a - 1 for a, _ in steps)

@@ -9,6 +9,7 @@ from sglang_hspec.training.losses import (
     position_weights,
     sample_anchors,
     slot_mask,
+    target_draft_probs,
     valid_anchor_mask,
 )
 
@@ -116,3 +117,65 @@ def test_anchors_stay_inside_loss_mask_and_sequence():
     # same seeds, same anchors (whatever micro-batch the sequence lands in)
     again, _ = sample_anchors(loss_mask=loss_mask[2:3], lengths=lengths[2:3], num_anchors=A, seeds=[2])
     assert again.tolist() == anchors[2:3].tolist()
+
+
+def _random_block_case(seed=0, B=2, T=12, A=5, k=3, V=11, d=6):
+    g = torch.Generator().manual_seed(seed)
+    d2t = torch.tensor([0, 2, 3, 5, 7, 8])
+    input_ids = torch.randint(0, V, (B, T), generator=g)
+    loss_mask = (torch.rand(B, T, generator=g) > 0.3).long()
+    lengths = torch.tensor([T, T - 4])
+    anchors, ok = sample_anchors(loss_mask=loss_mask, lengths=lengths, num_anchors=A, seeds=[seed, seed + 1])
+    mask = slot_mask(anchors=anchors, anchor_valid=ok, loss_mask=loss_mask, lengths=lengths, block_size=k)
+    hidden = torch.randn(B, T, d, generator=g)
+    lm_w, lm_b = torch.randn(V, d, generator=g), torch.randn(V, generator=g)
+    draft_logits = torch.randn(B, A, k, d2t.numel(), generator=g)
+    conf = torch.randn(B, A, k, generator=g)
+    return dict(input_ids=input_ids, anchors=anchors, mask=mask, d2t=d2t, draft_logits=draft_logits,
+                confidence_logits=conf), hidden, lm_w, lm_b, ok
+
+
+def test_target_probs_from_hidden_equal_softmax_of_the_logits_restricted_to_the_draft_vocab():
+    case, hidden, lm_w, lm_b, _ = _random_block_case()
+    logits = torch.nn.functional.linear(hidden, lm_w, lm_b)
+    p_full = torch.softmax(logits.reshape(-1, logits.shape[-1]), -1)
+    for chunk in (1, 5, 1000):
+        tp = target_draft_probs(d2t=case["d2t"], hidden=hidden, lm_head_weight=lm_w, lm_head_bias=lm_b, chunk_rows=chunk)
+        torch.testing.assert_close(tp.probs, p_full[:, case["d2t"]], rtol=1e-6, atol=1e-7)
+        outside = torch.tensor([1, 4, 6, 9, 10])  # the target ids the draft vocabulary lacks
+        torch.testing.assert_close(tp.outside, p_full[:, outside].sum(-1), rtol=1e-5, atol=1e-6)
+    tl = target_draft_probs(d2t=case["d2t"], logits=logits)
+    torch.testing.assert_close(tl.probs, tp.probs, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="exactly one of logits and hidden"):
+        target_draft_probs(d2t=case["d2t"])
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_per_position_target_probs_give_the_per_slot_reference_loss_and_gradients(compact):
+    """The fast path (target softmax once per position, masked slots skipped) against the reference twin
+    (softmax of the full logits recomputed for every slot, every slot computed)."""
+    case, hidden, lm_w, lm_b, _ = _random_block_case()
+    logits = torch.nn.functional.linear(hidden, lm_w, lm_b)
+    assert not case["mask"].all() and case["mask"].any()  # some slots are masked: compact has work to skip
+    outs = []
+    for fast in (False, True):
+        c = {**case, "draft_logits": case["draft_logits"].clone().requires_grad_(True)}
+        if fast:
+            tp = target_draft_probs(d2t=case["d2t"], logits=logits)
+            out = block_loss(**c, target_probs=tp, target_vocab_size=11, compact=compact, chunk_rows=4)
+        else:
+            out = block_loss(**c, target_logits=logits, chunk_rows=4)
+        out.loss_sum.backward()
+        outs.append((out, c["draft_logits"].grad))
+    (ref, ref_grad), (got, got_grad) = outs
+    for name in ("loss_sum", "weight_sum", "ce_sum", "tv_sum", "bce_sum", "tau_sum", "num_anchors", "accept_sum",
+                 "accept_count"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-6, atol=1e-6, msg=name)
+    torch.testing.assert_close(got_grad, ref_grad, rtol=1e-6, atol=1e-7)
+    assert (got_grad.abs().sum(-1)[~case["mask"]] == 0).all()  # masked slots get no gradient
+
+
+def test_block_loss_needs_exactly_one_target_side():
+    case, *_ = _random_block_case()
+    with pytest.raises(ValueError, match="exactly one of target_logits and target_probs"):
+        block_loss(**case)

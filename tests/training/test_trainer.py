@@ -1,7 +1,12 @@
+import errno
+import hashlib
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +17,14 @@ from sglang_hspec.model import build_drafter
 from sglang_hspec.target.adapter import TargetAdapter
 from sglang_hspec.training.config import load_config
 from sglang_hspec.training.data import patterned_examples
-from sglang_hspec.training.trainer import drafter_config, train
+from sglang_hspec.training.trainer import (
+    STATE_FILE,
+    CheckpointWriteError,
+    build_model,
+    drafter_config,
+    target_layer_map,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "train_tiny.yaml"
@@ -166,3 +178,165 @@ def test_torchrun_two_processes_match_one_process_with_doubled_batch(tmp_path):
     for got, want in zip(log, single.history):
         assert got["loss"] == pytest.approx(want.loss, rel=1e-5)
         assert got["tau_prob"] == pytest.approx(want.tau_prob, rel=1e-5)
+
+
+def _tiny(cfg):
+    return tiny_target("llama", **{k: v for k, v in cfg.model.target_kwargs.items() if k != "arch"})
+
+
+def test_throughput_levers_leave_the_losses_unchanged_and_steps_count_tokens_and_blocks(tmp_path):
+    """target_probs_once / pack_anchors against the reference path (per-slot softmax, padded anchors
+    computed). num_anchors 30 > the 20 valid anchors of a 24-token sequence, so padding is there to skip."""
+    over = SMALL + ["data.num_anchors=30", "training.max_steps=3"]
+    runs = {}
+    for once, pack in ((False, False), (True, False), (False, True), (True, True)):
+        cfg = load_config(TINY, over + [f"training.target_probs_once={once}", f"training.pack_anchors={pack}",
+                                        f"training.output_dir={tmp_path / f'{once}{pack}'}"])
+        runs[once, pack] = train(cfg, progress=False)
+    ref = [m.loss for m in runs[False, False].history]
+    for key, res in runs.items():
+        assert [m.loss for m in res.history] == pytest.approx(ref, rel=1e-6), key
+    # 4 sequences of 24 tokens; valid anchors a: a+1 in the loss mask (positions >= 4) and a+1 < 24: 3..22
+    h = runs[True, True].history
+    assert [(m.tokens, m.blocks) for m in h] == [(96, 4 * 20)] * 3
+    assert all(m.seconds > 0 for m in h)
+    tp = runs[True, True].throughput()
+    assert tp["blocks_per_s"] == pytest.approx(tp["tokens_per_s"] * 20 / 24)
+
+
+def test_target_layers_init_copies_the_mapped_target_layers():
+    cfg = load_config(TINY, ["model.init=target_layers"])
+    target = _tiny(cfg)
+    with torch.no_grad():  # non-trivial norms, so copying them is visible
+        for p in target.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    examples = patterned_examples(**cfg.data.synthetic.model_dump())
+    torch.manual_seed(0)
+    drafter = build_model(cfg, target, examples)
+    assert target_layer_map(drafter) == [2, 3, 4, 4]  # attention layers read KV of 2, 3, 4; the MF layer: the last
+    for layer, src_id in zip(drafter.layers, target_layer_map(drafter)):
+        src = target.model.layers[src_id]
+        if layer.attn is not None:
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                assert torch.equal(getattr(layer.attn, name).weight, getattr(src.self_attn, name).weight), name
+            assert torch.equal(layer.attn_norm.weight, src.input_layernorm.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(getattr(layer.mlp, name).weight, getattr(src.mlp, name).weight), name
+        assert torch.equal(layer.mlp_norm.weight, src.post_attention_layernorm.weight)
+        assert (layer.mamba.out_proj.weight == 0).all()
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    # the copies are independent parameters: training the drafter leaves the frozen target alone
+    assert drafter.layers[0].attn.q_proj.weight.data_ptr() != target.model.layers[2].self_attn.q_proj.weight.data_ptr()
+    torch.manual_seed(0)
+    random_init = build_model(load_config(TINY, []), target, examples)
+    assert not torch.equal(random_init.layers[0].attn.q_proj.weight, target.model.layers[2].self_attn.q_proj.weight)
+
+
+def test_target_layers_init_with_a_narrower_mlp_is_a_clear_error():
+    cfg = load_config(TINY, ["model.init=target_layers", "model.drafter.intermediate_size=96"])
+    with pytest.raises(ValueError, match=r"model.init=target_layers: .*drop model.drafter.intermediate_size"):
+        build_model(cfg, _tiny(cfg), patterned_examples(**cfg.data.synthetic.model_dump()))
+
+
+def _tree_digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+def test_full_disk_while_saving_a_checkpoint_is_a_clear_error_and_keeps_the_previous_one(tmp_path, monkeypatch):
+    cfg = load_config(TINY, SMALL + ["training.max_steps=4", "training.save_every=2", f"training.output_dir={tmp_path}"])
+    real_save = torch.save
+    seen = {}
+
+    def full_disk(obj, f, *args, **kwargs):
+        if Path(str(f)).name == STATE_FILE and ".checkpoint-4-" in str(f):
+            seen["before"] = _tree_digest(tmp_path / "checkpoint-2")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"no space left on device writing .*checkpoint-4 .*"
+                                                   r"previous checkpoint .*checkpoint-2 is intact.*resume_from=auto"):
+        train(cfg, progress=False)
+    assert seen["before"] and _tree_digest(tmp_path / "checkpoint-2") == seen["before"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "train_log.jsonl"]  # no temp dir left
+    monkeypatch.setattr(torch, "save", real_save)
+    resumed = train(load_config(TINY, SMALL + ["training.max_steps=4", "training.save_every=2",
+                                               f"training.output_dir={tmp_path}", "training.resume_from=auto"]),
+                    progress=False)
+    assert [m.step for m in resumed.history] == [3, 4]
+
+
+def _log(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_points_then_resume_gives_the_uninterrupted_losses(tmp_path):
+    """`hspec train` killed (SIGKILL) twice at random moments, checkpoint writes included, then resumed with
+    resume_from=auto: its per-step log equals an uninterrupted run's bit for bit (seeded data order and
+    anchors, RNG state in every checkpoint)."""
+    steps = 10
+    over = SMALL + [f"training.max_steps={steps}", "training.save_every=1", "training.log_every=1",
+                    "training.device=cpu", "training.resume_from=auto"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HSPEC_TRAIN_THREADS="1")
+
+    def cmd(out):
+        return [sys.executable, "-m", "sglang_hspec.training.trainer", "--config", str(TINY), "--no-progress",
+                *over, f"training.output_dir={out}"]
+
+    full = subprocess.run(cmd(tmp_path / "full"), env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-3000:]
+    want = _log(tmp_path / "full" / "train_log.jsonl")
+    assert [r["step"] for r in want] == list(range(1, steps + 1))
+    rng = random.Random(7)
+    run = tmp_path / "killed"
+    for kill_after in sorted(rng.sample(range(2, steps - 1), 2)):
+        proc = subprocess.Popen(cmd(run), env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 300
+        while max((r["step"] for r in _log(run / "train_log.jsonl")), default=0) < kill_after:
+            assert proc.poll() is None, f"the run ended before it was killed: {proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.05))  # anywhere in the next step: forward, backward, checkpoint write
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        proc.stderr.close()
+    last = subprocess.run(cmd(run), env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert last.returncode == 0, last.stderr[-3000:]
+    got = _log(run / "train_log.jsonl")
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for g, w in zip(got, want):
+        g.pop("seconds"), w.pop("seconds")
+        assert g == w
+    assert not list(run.glob(".checkpoint-*"))
+
+
+@pytest.mark.parametrize("kind", ["hspec", "dspark"])
+def test_packed_forward_train_equals_the_padded_one_on_valid_anchors(kind):
+    """pack_anchors: forward_train(anchor_valid=...) computes only valid blocks; they match the padded call."""
+    cfg = load_config(TINY, [f"model.kind={kind}", "model.kv_layer_ids=[]"])
+    target = _tiny(cfg)
+    torch.manual_seed(0)
+    drafter = build_drafter(kind, drafter_config(cfg, target), target.get_input_embeddings(),
+                            target.get_output_embeddings())
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    feats = TargetAdapter(target).full_forward(ids, hidden_layer_ids=drafter.target_layer_ids,
+                                               kv_layer_ids=drafter.kv_layer_ids)
+    anchors = torch.tensor([[2, 5, 9, 1], [3, 7, 1, 1]])
+    valid = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    with torch.no_grad():
+        full = drafter.forward_train(feats, ids, anchors)
+        packed = drafter.forward_train(feats, ids, anchors, anchor_valid=valid)
+    torch.testing.assert_close(packed.logits[valid], full.logits[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.confidence_logits[valid], full.confidence_logits[valid], rtol=1e-5, atol=1e-5)
+    assert (packed.logits[~valid] == 0).all() and (packed.confidence_logits[~valid] == 0).all()

@@ -1,5 +1,5 @@
 """`sglang_cpu_testing`: a general SGLang plugin that lets the speculative path run end to end on CPU,
-for tests only (shared/reference/sglang-cpu-e2e.md §3). Loaded by `load_plugins()` in the launcher,
+for tests only (tests/sglang_cpu/README.md, "The CPU fixes"). Loaded by `load_plugins()` in the launcher,
 scheduler and detokenizer when this directory is on PYTHONPATH (its `.dist-info` declares the entry
 point) and `SGLANG_PLUGINS` names it; inert unless `SGLANG_USE_CPU_ENGINE=1`.
 

@@ -1,4 +1,4 @@
-"""Test-only import shim for `sgl_kernel` on CPU machines (shared/reference/sglang-cpu-e2e.md §2.1).
+"""Test-only import shim for `sgl_kernel` on CPU machines (tests/sglang_cpu/README.md, "The sgl_kernel shim").
 
 The PyPI `sglang-kernel` wheel is CUDA-only (`common_ops` needs libcuda) and SGLang's `*_cpu` kernels
 are a source build. With `SGLANG_USE_CPU_ENGINE=1` SGLang imports `sgl_kernel` on the memory-pool and

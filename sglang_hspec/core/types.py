@@ -83,7 +83,7 @@ class Drafter(Protocol):
     block_size: int  # k: tokens proposed per step
     target_layer_ids: tuple[int, ...]  # hidden states the engine must capture at position n
     kv_layer_ids: tuple[int, ...]  # target layers whose KV the drafter reads
-    window: int  # KV window (positions max(0, n+1-W)..n)
+    sliding_window: int  # KV window (positions max(0, n+1-W)..n)
 
     def propose(
         self, ctx: DraftContext, sampling: SamplingParams, generator: torch.Generator | None

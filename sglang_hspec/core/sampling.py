@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_hspec.engine.types import SamplingParams
+from sglang_hspec.core.types import SamplingParams
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,289 @@
+"""Speculate or decode plainly: the per-step switch that keeps speculation from ever losing to plain decoding.
+
+A speculative step over N requests costs a draft forward plus a verify of B = N + n tokens and commits
+N + (admitted survivals) tokens in expectation; a plain decode step costs one forward of N tokens and
+commits N. The switch compares the two rates, with every cost taken from the profiled table
+(`StepCosts`: verify steps/s, plain-decode steps/s and the drafter's seconds, `SpsCostTable`):
+
+    spec(n)  = (N + S(n)) / (draft_seconds(N) + 1 / SPS(N + n))     S(n) = sum of the n largest survivals
+    plain    = N x plain_steps_per_sec(N)
+    speculate  iff  max_n spec(n) > (1 + margin) x plain  and the argmax n* > 0; then verify n* drafts.
+
+The survivals it reads are estimates from information at least `lag` steps old (the two-step-stale rule
+of `StalePolicy`, so the switch works under overlap scheduling): each request's last drafted calibrated
+confidences, corrected per slot by an acceptance audit `rho_j = (accepted_j + prior) / (predicted_j +
+prior)` (observed accepts over the confidences predicted for the same verified slots; an untrained or
+miscalibrated head that promises 0.5 and delivers 0 is caught within a few verified slots), and for
+requests never drafted the mean of the known ones (`estimated_survival`; AutoPolicy falls back to a running
+mean of earlier requests' confidences when no request of the batch is known).
+
+While it decodes plainly no confidences arrive, so it probes: when `probe_interval` steps have passed
+since the last draft (and at the very first step), it drafts `probe_rows` requests (those whose
+information is oldest) and verifies at least one draft token for each, which refreshes both their
+confidences and the audit. The interval doubles after every probe that does not switch speculation back
+on, up to a maximum, and resets when it does (`next_probe_interval`): a probe costs one draft forward over
+a few rows, so over T plain steps the probes cost O(log T) draft forwards.
+
+Lossless: the switch only changes how many tokens are verified, never which are accepted. Every input
+of the decision is fixed before this step's drafts exist, the per-request lengths are the top-K of this
+step's survivals in the planners' order (non-anticipating, as for `StalePolicy`), and a step with verify
+length 0 is exactly a plain decode step: the target's distribution at the anchor, sampled the same way.
+
+Entry points (keyword-only, pure): `decide_speculation`, `estimated_survival`, `audit_counts`,
+`next_probe_interval`, with plain-Python `*_reference` twins held to them by tests/scheduler/test_switch.py;
+`StepCosts` is the vectorised cost lookup. The stateful wrapper an engine calls is `AutoPolicy`
+(scheduler/policy.py). The decision runs on host tensors (no device read-back); the lengths of a
+speculative step come from `planner.topk_lengths`, which stays on the device without a sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .planner import check_confidences
+from .sps import SpsCostTable, SpsCurve, SpsTable
+
+# (batch_tokens, num_reqs) -> verify steps/s
+SpsFn = Callable[[int, int], float]
+
+
+class StepCosts:
+    """Everything a step costs, from one SPS table: verify seconds at B batch tokens, plain-decode
+    seconds and draft seconds at N requests (dense numpy caches: O(1) per lookup on the hot path).
+
+    `draft_seconds` overrides the table's drafter column (e.g. a drafter that costs nothing, n-gram
+    lookup, or a table profiled without a drafter). Without plain probes (SGLang's own tables) a plain
+    step costs what the anchor-only verify of N tokens costs."""
+
+    def __init__(self, table: SpsTable, *, draft_seconds: float | None = None) -> None:
+        if draft_seconds is not None and not (draft_seconds >= 0 and np.isfinite(draft_seconds)):
+            raise ValueError(f"draft_seconds must be finite and >= 0, got {draft_seconds}")
+        self.table = table
+        self.sps = SpsCurve(table)
+        self._draft_override = draft_seconds
+        self._verify_seconds = np.zeros(0)
+        self._verify_reqs: int | None = None
+
+    def plain_steps_per_sec(self, num_reqs: int) -> float:
+        t = self.table
+        if isinstance(t, SpsCostTable):
+            return t.plain_lookup(num_reqs)
+        return 1.0 / t.step_time(num_reqs=num_reqs, budget=0)
+
+    def draft_seconds(self, num_reqs: int) -> float:
+        if self._draft_override is not None:
+            return self._draft_override
+        t = self.table
+        return t.draft_lookup(num_reqs) if isinstance(t, SpsCostTable) else 0.0
+
+    def verify_seconds_range(self, *, start: int, count: int, num_reqs: int) -> np.ndarray:
+        """Seconds of a verify of start, start+1, ..., start+count-1 batch tokens (inf past capacity)."""
+        additive = not isinstance(self.table, SpsCostTable)
+        if start + count > self._verify_seconds.size or (additive and num_reqs != self._verify_reqs):
+            sps = self.sps.steps_per_sec_range(start=0, count=max(start + count, 2 * self._verify_seconds.size, 64),
+                                               num_reqs=num_reqs).numpy()
+            with np.errstate(divide="ignore"):
+                self._verify_seconds = 1.0 / sps  # 0 steps/s (past capacity) -> inf seconds
+            self._verify_reqs = num_reqs
+        return self._verify_seconds[start : start + count]
+
+    def scalar_fn(self) -> SpsFn:
+        """The plain-Python verify lookup the reference twins use."""
+        return lambda batch_tokens, num_reqs: self.sps.scalar(batch_tokens=batch_tokens, num_reqs=num_reqs)
+
+
+class SpeculationDecision(NamedTuple):
+    speculate: bool  # run the drafter this step (always True on a probe)
+    budget: int  # draft tokens to verify in all (0 when decoding plainly)
+    probe: bool  # speculating to refresh the estimates, not because it pays
+    draft_rows: int  # requests to draft: all N when it pays, probe_rows on a probe, 0 otherwise
+    best_budget: int  # argmax n of spec(n) over the estimates
+    spec_tokens_per_sec: float  # spec(best_budget), draft cost included
+    plain_tokens_per_sec: float  # N x plain steps/s
+
+
+def decide_speculation(
+    *,
+    survival: torch.Tensor,
+    costs: StepCosts,
+    known_rows: int,
+    steps_since_draft: int,
+    probe_interval: int,
+    probe_rows: int = 4,
+    margin: float = 0.05,
+    min_survival: float = 0.0,
+) -> SpeculationDecision:
+    """One step's switch over N requests (see the module docstring for the rule).
+
+    survival [N, k] float (host tensor): estimated survivals from information >= lag steps old
+    (`estimated_survival`); known_rows: how many of the N rows those estimates rest on (0 = nothing
+    is known yet: decode plainly, probe when due); steps_since_draft: steps since any request was
+    last drafted (a large number before the first draft); probe_interval >= 1; probe_rows >= 1;
+    margin >= 0: how much faster speculation must look before it is chosen; min_survival: candidates
+    below it (or NaN) are never counted (SGLang's survival_eps)."""
+    if survival.dim() != 2:
+        raise ValueError(f"survival must be [N, k], got shape {tuple(survival.shape)}")
+    if survival.device.type != "cpu":
+        raise ValueError("decide_speculation reads host tensors (stale estimates live on the host); "
+                         "pass survival.cpu() computed off the critical path, not a device tensor")
+    if probe_interval < 1 or probe_rows < 1 or margin < 0:
+        raise ValueError(f"need probe_interval >= 1, probe_rows >= 1, margin >= 0; got {probe_interval}, "
+                         f"{probe_rows}, {margin}")
+    return decide_speculation_numpy(
+        survival=survival.detach().to(torch.float64).numpy(), costs=costs, known_rows=known_rows,
+        steps_since_draft=steps_since_draft, probe_interval=probe_interval, probe_rows=probe_rows,
+        margin=margin, min_survival=min_survival)
+
+
+def decide_speculation_numpy(
+    *, survival: np.ndarray, costs: StepCosts, known_rows: int, steps_since_draft: int, probe_interval: int,
+    probe_rows: int, margin: float, min_survival: float,
+) -> SpeculationDecision:
+    """`decide_speculation` on a float64 [N, k] array, unchecked (AutoPolicy's hot path)."""
+    num_reqs = survival.shape[0]
+    if num_reqs == 0:
+        return SpeculationDecision(False, 0, False, 0, 0, 0.0, 0.0)
+    plain_rate = num_reqs * costs.plain_steps_per_sec(num_reqs)
+    best_n, best_rate = 0, 0.0
+    if known_rows > 0 and survival.shape[1] > 0:
+        values = survival.ravel()
+        values = values[values >= min_survival]  # drops NaN too
+        # tau(n) = N + a_1 + ... + a_n summed left to right, exactly as the reference does
+        tau = np.empty(values.size + 1)
+        tau[0] = num_reqs
+        tau[1:] = np.sort(values)[::-1]
+        np.cumsum(tau, out=tau)
+        seconds = costs.verify_seconds_range(start=num_reqs, count=tau.size, num_reqs=num_reqs)
+        rate = tau / (costs.draft_seconds(num_reqs) + seconds)
+        best_n = int(np.argmax(rate))
+        best_rate = float(rate[best_n])
+    if best_n > 0 and best_rate > (1.0 + margin) * plain_rate:
+        return SpeculationDecision(True, best_n, False, num_reqs, best_n, best_rate, plain_rate)
+    if steps_since_draft >= probe_interval:
+        rows = min(probe_rows, num_reqs)
+        return SpeculationDecision(True, max(best_n, rows), True, rows, best_n, best_rate, plain_rate)
+    return SpeculationDecision(False, 0, False, 0, best_n, best_rate, plain_rate)
+
+
+def estimated_survival(*, confidences: torch.Tensor, known: torch.Tensor, ratios: torch.Tensor) -> torch.Tensor:
+    """Survival estimates [N, k] float64 for the switch.
+
+    confidences [N, k]: each row's last drafted calibrated per-slot confidences (any values where the
+    row is unknown); known [N] bool; ratios [k]: the audit's per-slot correction rho_j. Known rows:
+    cumprod(min(1, c_j x rho_j)); unknown rows: the per-slot mean of the known rows' corrected
+    confidences (ones x rho when no row is known)."""
+    if confidences.dim() != 2 or known.shape != confidences.shape[:1] or ratios.shape != confidences.shape[1:]:
+        raise ValueError(f"need confidences [N, k], known [N], ratios [k]; got {tuple(confidences.shape)}, "
+                         f"{tuple(known.shape)}, {tuple(ratios.shape)}")
+    return torch.from_numpy(estimated_survival_numpy(
+        confidences=confidences.detach().to(torch.float64).numpy(), known=known.numpy(),
+        ratios=ratios.detach().to(torch.float64).numpy()))
+
+
+def estimated_survival_numpy(*, confidences: np.ndarray, known: np.ndarray, ratios: np.ndarray) -> np.ndarray:
+    """`estimated_survival` on float64 arrays (AutoPolicy's hot path)."""
+    corrected = np.clip(confidences * ratios, 0.0, 1.0)
+    num_known = int(np.count_nonzero(known))
+    if num_known < known.size:
+        fill = corrected[known].sum(0) / num_known if num_known else np.clip(ratios, 0.0, 1.0)
+        corrected[~known] = fill
+    return np.cumprod(corrected, axis=1, out=corrected)
+
+
+def audit_counts(
+    *, confidences: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [k], predicted [k]) float64 of one verified step: slot j of row r counts when it was
+    verified with every earlier slot kept (j < min(verify_len, accepted + 1)); accepted adds 1 if it was
+    kept, predicted adds its calibrated confidence c_{r,j}."""
+    check_confidences(confidences)
+    k = confidences.shape[1]
+    slot = torch.arange(k, device=confidences.device)[None, :]
+    attempted = slot < torch.minimum(verify_lengths, num_accepted + 1)[:, None]
+    kept = slot < num_accepted[:, None]
+    accepted = (attempted & kept).sum(0, dtype=torch.float64)
+    predicted = torch.where(attempted, confidences.to(torch.float64), 0.0).sum(0)
+    return accepted, predicted
+
+
+def next_probe_interval(*, decision: SpeculationDecision, probe_interval: int, initial: int, maximum: int) -> int:
+    """Double after a probe (speculation still does not pay), back to `initial` once it pays."""
+    if decision.probe:
+        return min(2 * probe_interval, maximum)
+    if decision.speculate:
+        return initial
+    return probe_interval
+
+
+# ---- plain-Python references -------------------------------------------------------------------
+
+
+def decide_speculation_reference(
+    *,
+    survival: Sequence[Sequence[float]],
+    sps: SpsFn,
+    plain_steps_per_sec: float,
+    draft_seconds: float,
+    known_rows: int,
+    steps_since_draft: int,
+    probe_interval: int,
+    probe_rows: int = 4,
+    margin: float = 0.05,
+    min_survival: float = 0.0,
+) -> SpeculationDecision:
+    num_reqs = len(survival)
+    if num_reqs == 0:
+        return SpeculationDecision(False, 0, False, 0, 0, 0.0, 0.0)
+    plain_rate = num_reqs * plain_steps_per_sec
+    best_n, best_rate = 0, 0.0
+    if known_rows > 0:
+        values = sorted((a for row in survival for a in row if a >= min_survival), reverse=True)
+        tau = float(num_reqs)
+        for n in range(len(values) + 1):
+            if n:
+                tau += values[n - 1]
+            steps = sps(num_reqs + n, num_reqs)
+            rate = tau / (draft_seconds + (1.0 / steps if steps > 0 else float("inf")))
+            if n == 0 or rate > best_rate:
+                best_n, best_rate = n, rate
+    if best_n > 0 and best_rate > (1.0 + margin) * plain_rate:
+        return SpeculationDecision(True, best_n, False, num_reqs, best_n, best_rate, plain_rate)
+    if steps_since_draft >= probe_interval:
+        rows = min(probe_rows, num_reqs)
+        return SpeculationDecision(True, max(best_n, rows), True, rows, best_n, best_rate, plain_rate)
+    return SpeculationDecision(False, 0, False, 0, best_n, best_rate, plain_rate)
+
+
+def estimated_survival_reference(
+    *, confidences: Sequence[Sequence[float]], known: Sequence[bool], ratios: Sequence[float]
+) -> list[list[float]]:
+    corrected = [[min(1.0, max(0.0, c * r)) for c, r in zip(row, ratios)] for row in confidences]
+    known_rows = [row for row, kn in zip(corrected, known) if kn]
+    if known_rows:
+        fill = [sum(col) / len(known_rows) for col in zip(*known_rows)]
+    else:
+        fill = [min(1.0, max(0.0, r)) for r in ratios]
+    out = []
+    for row, kn in zip(corrected, known):
+        acc, surv = 1.0, []
+        for c in (row if kn else fill):
+            acc *= c
+            surv.append(acc)
+        out.append(surv)
+    return out
+
+
+def audit_counts_reference(
+    *, confidences: Sequence[Sequence[float]], verify_lengths: Sequence[int], num_accepted: Sequence[int]
+) -> tuple[list[float], list[float]]:
+    k = len(confidences[0]) if confidences else 0
+    accepted, predicted = [0.0] * k, [0.0] * k
+    for row, vl, acc in zip(confidences, verify_lengths, num_accepted):
+        for j in range(min(vl, acc + 1, k)):
+            accepted[j] += 1.0 if j < acc else 0.0
+            predicted[j] += float(row[j])
+    return accepted, predicted

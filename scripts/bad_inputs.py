@@ -1,0 +1,389 @@
+"""Run every bad input of the product we know of and regenerate docs/bad_inputs.md.
+
+Each row is one command line run through `hspec`'s own main() in-process (what a user typing it
+sees on stderr), or one library call where the input only reaches the library. Inputs are made in a
+scratch directory: damaged copies of the shipped drafter, broken JSON / JSONL / YAML files, bad
+flags. A row is *clear* when it exits non-zero with an `error: ...` line (no traceback) that names
+the file or flag. The script exits 1 if any row is unclear, so it doubles as a check.
+
+    .venv/bin/python scripts/bad_inputs.py            # writes docs/bad_inputs.md
+    .venv/bin/python scripts/bad_inputs.py --check    # prints the table, writes nothing
+
+Each target loads once (cached across rows; error paths never change it); the first run converts
+the embedded target (~30 s), later runs take about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "sglang_hspec" / "checkpoints" / "hspec-smollm2"
+DOC = ROOT / "docs" / "bad_inputs.md"
+
+
+@dataclass
+class Row:
+    group: str
+    what: str  # the bad input, in words
+    command: list[str] | None = None  # hspec argv (in-process main)
+    call: object = None  # or a zero-argument callable (library call)
+
+
+@dataclass
+class Outcome:
+    exit_code: int | None
+    line: str  # first line of the error the user sees
+    traceback: bool
+    library: bool = False  # a library call: the line is the exception it raised
+
+
+def run_row(row: Row) -> Outcome:
+    from sglang_hspec.cli import main
+
+    err, out = io.StringIO(), io.StringIO()
+    code, tb = None, False
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            if row.command is not None:
+                code = main(row.command)
+            else:
+                row.call()
+                code = 0
+        except SystemExit as e:  # argparse errors and SystemExit("error: ...") from the CLI
+            code = e.code if isinstance(e.code, int) else 2
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - an uncaught exception is what we are looking for
+            if row.command is not None:
+                tb = True
+                traceback.print_exc()
+            code = 1
+            print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    # progress bars share stderr: keep what follows a bar's last redraw on each line
+    text = err.getvalue().replace("\x1b[A", "\r")
+    lines = [ln.split("\r")[-1] for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln.strip()]
+    if tb or row.command is None:
+        line = lines[-1] if lines else "(traceback)"
+    else:
+        at = next((i for i, ln in enumerate(lines) if "error:" in ln), None)
+        line = lines[at] if at is not None else (lines[-1] if lines else "(nothing printed)")
+        if at is not None and line.endswith(":") and at + 1 < len(lines):  # a heading: its first item says what
+            line = f"{line} {lines[at + 1].strip()}"
+    return Outcome(code, line.strip(), tb, library=row.command is None)
+
+
+def clear(outcome: Outcome) -> bool:
+    """Failed, no traceback, and said so: an `error:` line (CLI) or an exception with a message (library)."""
+    said = ": " in outcome.line if outcome.library else "error:" in outcome.line
+    return bool(outcome.exit_code) and not outcome.traceback and said
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def damaged_drafter(scratch: Path, name: str, damage) -> str:
+    d = scratch / name
+    shutil.copytree(SHIPPED, d)
+    damage(d)
+    return str(d)
+
+
+def edit_config(edit):
+    def damage(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        edit(cfg)
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    return damage
+
+
+def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
+    w = scratch.joinpath
+    w("empty.txt").write_text("\n\n")
+    w("bad_prompts.jsonl").write_text('{"id": 1, "turns": ["hi"]}\n{"id": 2, "turns": [\n')
+    w("notjson.json").write_text("this is not JSON\n")
+    w("sps_wrong_layout.json").write_text(json.dumps({"batch_tokens": [1, 2], "steps_per_second": [3.0, 2.0]}))
+    w("sps_decreasing.json").write_text(json.dumps({"sample_batch_tokens": [8, 4], "sample_steps_per_sec": [2.0, 3.0],
+                                                    "max_batch_tokens": 8}))
+    w("sts_3_slots.json").write_text(json.dumps({"temperatures": [1.0, 1.2, 1.5]}))
+    w("sts_negative.json").write_text(json.dumps({"temperatures": [1.0, -2.0, 1.0, 1.0, 1.0, 1.0, 1.0]}))
+    w("sts_unknown_field.json").write_text(json.dumps({"temperatures": [1.0] * 7, "gamma": 7}))
+    w("empty.jsonl").write_text("")
+    w("foo.jsonl").write_text('{"foo": 1}\n')
+    w("badline.jsonl").write_text('{"id": "a", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}\n{"id": "b", \n')
+    w("masklen.jsonl").write_text('{"id": "a", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1]}\n')
+    w("noanchor.jsonl").write_text('{"id": "a", "input_ids": [5, 6, 7], "loss_mask": [1, 1, 0]}\n')
+    w("bad.yaml").write_text("model: [unclosed\n")
+    w("notarecord.pt").write_bytes(b"not a torch file")
+    (scratch / "emptydir").mkdir()
+
+    tiny = ["--target", tiny_target_dir, "--dtype", "fp32"]
+    gen = ["generate", "--prompt", "hi"]
+    emb = [*gen, "--dtype", "fp32"]
+    train = ["train", "--config", str(ROOT / "configs" / "train_tiny.yaml"), "--no-progress"]
+    jsonl_train = [*train, "data.synthetic=null", f"training.output_dir={scratch / 'run'}"]
+
+    d = functools.partial(damaged_drafter, scratch)
+    trunc_cfg = d("trunc_config", lambda p: (p / "config.json").write_text((p / "config.json").read_text()[:500]))
+    trunc_st = d("trunc_weights", lambda p: (p / "model.safetensors").write_bytes(
+        (p / "model.safetensors").read_bytes()[:1_000_000]))
+    layers24 = d("layers24", edit_config(lambda c: c["hspec"]["target"].update(num_hidden_layers=24)))
+    no_section = d("no_hspec", edit_config(lambda c: c.pop("hspec")))
+    slot_conv = d("slot_convention", edit_config(lambda c: c["hspec"].update(slot_convention="slot_j_predicts_anchor_plus_j")))
+    no_weights = d("no_weights", lambda p: (p / "model.safetensors").unlink())
+    unknown_field = d("unknown_field", edit_config(lambda c: c["hspec"].update(block_len=7)))
+    binary_cfg = d("binary_config", lambda p: (p / "config.json").write_bytes(b"\xff\xfe\x00garbage"))
+
+    def other_shapes(p: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(p / "model.safetensors"))
+        state.pop(sorted(state)[0])
+        save_file(state, str(p / "model.safetensors"))
+
+    missing_tensor = d("missing_tensor", other_shapes)
+
+    return [
+        # prompts and targets
+        Row("prompts", "`--prompt` of blanks", [*gen[:1], "--prompt", "   "]),
+        Row("prompts", "`--prompt-file` that does not exist", ["generate", "--prompt-file", str(w("missing.txt"))]),
+        Row("prompts", "`--prompt-file` with blank lines only", ["generate", "--prompt-file", str(w("empty.txt"))]),
+        Row("prompts", "`--prompt-file` JSONL with a broken line", ["generate", *tiny, "--prompt-file",
+                                                                    str(w("bad_prompts.jsonl"))]),
+        Row("prompts", "`--target` directory without config.json", [*gen, "--target", str(w("emptydir"))]),
+        Row("prompts", "prompt + `--max-new-tokens` beyond the context", [*emb, "--drafter", "ngram",
+                                                                           "--max-new-tokens", "100000"]),
+        Row("prompts", "`--drafter` that is neither a name nor a directory", [*gen, *tiny, "--drafter", "eagle9"]),
+        Row("prompts", "`--drafter` an empty directory", [*gen, *tiny, "--drafter", str(w("emptydir"))]),
+        # sampling flags
+        Row("sampling", "`--temperature -1`", [*gen, "--temperature", "-1"]),
+        Row("sampling", "`--temperature nan`", [*gen, "--temperature", "nan"]),
+        Row("sampling", "`--top-p 0`", [*gen, "--temperature", "1", "--top-p", "0"]),
+        Row("sampling", "`--top-p 1.5`", [*gen, "--temperature", "1", "--top-p", "1.5"]),
+        Row("sampling", "`--top-k -1`", [*gen, "--temperature", "1", "--top-k", "-1"]),
+        Row("sampling", "`--top-p 0.9` with greedy decoding", [*gen, "--top-p", "0.9"]),
+        Row("sampling", "`--top-k 5` with greedy decoding", [*gen, "--top-k", "5"]),
+        Row("sampling", "`--max-new-tokens 0`", [*gen, "--max-new-tokens", "0"]),
+        Row("sampling", "`--stop ''`", [*gen, "--stop", ""]),
+        Row("sampling", "`--temperature abc`", [*gen, "--temperature", "abc"]),
+        # speculation flags
+        Row("speculation", "`--block-size 0` with the shipped drafter", [*gen, "--drafter", "shipped", "--block-size", "0"]),
+        Row("speculation", "`--block-size 0` with the ngram drafter", [*gen, "--drafter", "ngram", "--block-size", "0"]),
+        Row("speculation", "`--block-size 5` with the shipped drafter (trained for 7)", [*emb, "--drafter", "shipped",
+                                                                                         "--block-size", "5"]),
+        Row("speculation", "`--block-size` with `--drafter none`", [*gen, "--drafter", "none", "--block-size", "4"]),
+        Row("speculation", "`--policy fixed --sps-table notjson.json`", [*gen, "--policy", "fixed", "--sps-table",
+                                                                           str(w("notjson.json"))]),
+        Row("speculation", "`--policy stale` without `--sps-table`", [*emb, "--drafter", "shipped", "--policy", "stale"]),
+        Row("speculation", "`--policy stale` with the ngram drafter", [*gen, "--drafter", "ngram", "--policy", "stale"]),
+        Row("speculation", "`--sts` with the ngram drafter", [*gen, "--drafter", "ngram", "--sts", str(w("sts_3_slots.json"))]),
+        Row("speculation", "`--policy demo`", [*gen, "--policy", "demo"]),
+        Row("speculation", "`demo --limit 0`", ["demo", "--limit", "0"]),
+        # SPS / STS artifacts
+        Row("SPS / STS", "`--sps-table` that does not exist", [*gen, "--drafter", "shipped", "--policy", "stale",
+                                                                "--sps-table", str(w("missing_sps.json"))]),
+        Row("SPS / STS", "`--sps-table` that is not JSON", [*gen, "--drafter", "shipped", "--policy", "exact",
+                                                             "--sps-table", str(w("notjson.json"))]),
+        Row("SPS / STS", "`--sps-table` in another layout", [*gen, "--drafter", "shipped", "--policy", "stale",
+                                                              "--sps-table", str(w("sps_wrong_layout.json"))]),
+        Row("SPS / STS", "`--sps-table` with decreasing batch tokens", [*gen, "--drafter", "shipped", "--policy",
+                                                                         "stale", "--sps-table",
+                                                                         str(w("sps_decreasing.json"))]),
+        Row("SPS / STS", "`--sts` that does not exist", [*gen, "--drafter", "shipped", "--sts", str(w("missing_sts.json"))]),
+        Row("SPS / STS", "`--sts` that is not JSON", [*gen, "--drafter", "shipped", "--sts", str(w("notjson.json"))]),
+        Row("SPS / STS", "`--sts` with a negative temperature", [*gen, "--drafter", "shipped", "--sts",
+                                                                  str(w("sts_negative.json"))]),
+        Row("SPS / STS", "`--sts` with an unknown field", [*gen, "--drafter", "shipped", "--sts",
+                                                            str(w("sts_unknown_field.json"))]),
+        Row("SPS / STS", "`--sts` fitted for 3 slots, drafter block 7", [*emb, "--drafter", "shipped", "--sts",
+                                                                          str(w("sts_3_slots.json"))]),
+        Row("SPS / STS", "`calibrate fit` on a glob that matches nothing", ["calibrate", "fit", "--data",
+                                                                             str(w("nomatch") / "*.pt"), "--block-size",
+                                                                             "7", "--out", str(w("sts.json"))]),
+        Row("SPS / STS", "`calibrate fit` on a file that is not a record shard",
+            ["calibrate", "fit", "--data", str(w("notarecord.pt")), "--block-size", "7", "--out", str(w("sts.json"))]),
+        Row("SPS / STS", "`calibrate fit` without `--block-size`", ["calibrate", "fit", "--data",
+                                                                     str(w("notarecord.pt")), "--out", str(w("sts.json"))]),
+        Row("SPS / STS", "`calibrate report --sts notjson.json`", ["calibrate", "report", "--data",
+                                                                    str(w("notarecord.pt")), "--sts", str(w("notjson.json"))]),
+        # drafter checkpoints (damaged copies of the shipped drafter, on the embedded target)
+        Row("checkpoint", "config.json truncated", [*emb, "--drafter", trunc_cfg]),
+        Row("checkpoint", "config.json binary garbage", [*emb, "--drafter", binary_cfg]),
+        Row("checkpoint", "model.safetensors truncated", [*emb, "--drafter", trunc_st]),
+        Row("checkpoint", "model.safetensors missing", [*emb, "--drafter", no_weights]),
+        Row("checkpoint", "model.safetensors without one tensor", [*emb, "--drafter", missing_tensor]),
+        Row("checkpoint", "config says the target has 24 layers (it has 30)", [*emb, "--drafter", layers24]),
+        Row("checkpoint", "config without its `hspec` section", [*emb, "--drafter", no_section]),
+        Row("checkpoint", "config with DFlash's slot convention", [*emb, "--drafter", slot_conv]),
+        Row("checkpoint", "config with an unknown field", [*emb, "--drafter", unknown_field]),
+        Row("checkpoint", "the shipped drafter on another target", [*gen, *tiny, "--drafter", "shipped"]),
+        # training configs and records
+        Row("training", "`train --config` that does not exist", ["train", "--config", str(w("missing.yaml"))]),
+        Row("training", "`train --config` that is not YAML", ["train", "--config", str(w("bad.yaml"))]),
+        Row("training", "an override without `=`", [*train, "training.lr"]),
+        Row("training", "an override with an unknown key", [*train, "training.learning_rate=1e-3"]),
+        Row("training", "`data.train_path` that does not exist", [*jsonl_train, f"data.train_path={w('nope.jsonl')}"]),
+        Row("training", "an empty JSONL", [*jsonl_train, f"data.train_path={w('empty.jsonl')}"]),
+        Row("training", 'a JSONL line `{"foo": 1}`', [*jsonl_train, f"data.train_path={w('foo.jsonl')}"]),
+        Row("training", "a JSONL line that is not JSON", [*jsonl_train, f"data.train_path={w('badline.jsonl')}"]),
+        Row("training", "input_ids and loss_mask of different lengths", [*jsonl_train,
+                                                                          f"data.train_path={w('masklen.jsonl')}"]),
+        Row("training", "records without an assistant token", [*jsonl_train, f"data.train_path={w('noanchor.jsonl')}"]),
+        # artifacts on a full disk (library calls: the disk is made to fail in-process)
+        Row("artifacts", "`save_drafter` on a full disk", call=functools.partial(full_disk_save_drafter, scratch)),
+        Row("artifacts", "`build_dataset` (data shards) on a full disk",
+            call=functools.partial(full_disk_build_dataset, scratch)),
+    ]
+
+
+@contextlib.contextmanager
+def disk_full_after(free_bytes: int):
+    """Every file opened through os.fdopen (the atomic writers' temp files) fails with ENOSPC once
+    `free_bytes` were written in all."""
+    import errno
+
+    real, free = os.fdopen, [free_bytes]
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            if len(data) > free[0]:
+                self.f.write(data[: free[0]])
+                free[0] = 0
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            free[0] -= len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    os.fdopen = lambda *a, **k: Full(real(*a, **k))
+    try:
+        yield
+    finally:
+        os.fdopen = real
+
+
+def full_disk_save_drafter(scratch: Path) -> None:
+    from sglang_hspec.assets.tiny import tiny_target
+    from sglang_hspec.model import HSpecConfig, build_drafter, save_drafter
+    from sglang_hspec.target.geometry import TargetGeometry
+
+    target = tiny_target("llama", num_layers=5, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16)
+    cfg = HSpecConfig(target=TargetGeometry.from_hf_config(target.config), target_layer_ids=(0, 1, 2, 3, 4),
+                      mask_token_id=3, intermediate_size=32, mamba_num_heads=2, mamba_head_dim=8, mamba_groups=1,
+                      draft_vocab_size=64)
+    drafter = build_drafter("hspec", cfg, target.model.embed_tokens, target.lm_head)
+    out = scratch / "run" / "drafter"
+    save_drafter(drafter, out)
+    with disk_full_after(10_000):
+        save_drafter(drafter, out)
+
+
+def full_disk_build_dataset(scratch: Path) -> None:
+    from sglang_hspec.training.data import build_dataset
+
+    recs = [{"id": f"r{i}", "conversations": [{"role": "user", "content": f"q {i}"},
+                                              {"role": "assistant", "content": f"a {i} " * 50}]} for i in range(200)]
+    with disk_full_after(5_000):
+        build_dataset(records=recs, out_dir=scratch / "data")
+
+
+# ------------------------------------------------------------------ table
+
+
+def markdown(results: list[tuple[Row, Outcome]], scratch: Path) -> str:
+    def show(text: str) -> str:
+        text = text.replace(str(scratch), "$SCRATCH").replace(str(ROOT) + "/", "")
+        text = text.replace(str(Path.home()), "~").replace("|", "\\|")
+        return text
+
+    lines = [
+        "# Bad inputs and what the user sees",
+        "",
+        "Generated by `scripts/bad_inputs.py` (do not edit by hand): every bad input we know of, run through",
+        "`hspec`'s own entry point (or the library call it reaches), with the first line of the error. `$SCRATCH`",
+        "is the script's scratch directory (damaged copies of the shipped drafter, broken files). A row is",
+        "clear when the command fails with an `error:` line, no traceback.",
+        "",
+        "| # | area | input | what the user sees | exit | clear |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, (row, out) in enumerate(results, 1):
+        cmd = "" if row.command is None else f"<br>`hspec {show(' '.join(a if a.strip() else repr(a) for a in row.command))}`"
+        lines.append(f"| {i} | {row.group} | {show(row.what)}{cmd} | {show(out.line)} | {out.exit_code} | "
+                     f"{'yes' if clear(out) else '**no**'} |")
+    n_clear = sum(clear(o) for _, o in results)
+    lines += ["", f"{n_clear} of {len(results)} rows clear.", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="print the table; do not write docs/bad_inputs.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    import sglang_hspec.target.loading as target_loading
+    from sglang_hspec.assets.tiny import save_tiny_target
+
+    real_load, cached = target_loading.load_target, {}
+
+    def load_once(spec="embedded", **kw):  # the trainer passes unhashable kwargs: those load afresh
+        try:
+            key = (spec, tuple(sorted(kw.items())))
+            hash(key)
+        except TypeError:
+            return real_load(spec, **kw)
+        if key not in cached:
+            cached[key] = real_load(spec, **kw)
+        return cached[key]
+
+    target_loading.load_target = load_once
+    with tempfile.TemporaryDirectory(prefix="hspec-bad-inputs-") as tmp:
+        scratch = Path(tmp)
+        tiny_dir = str(save_tiny_target(scratch / "tiny_target", dtype=torch.float32))
+        results = [(row, run_row(row)) for row in tqdm(rows(scratch, tiny_dir), desc="bad inputs", unit="input")]
+        table = markdown(results, scratch)
+    if args.check:
+        print(table)
+    else:
+        from sglang_hspec.core.atomic import atomic_write_text
+
+        atomic_write_text(DOC, table)
+        print(f"wrote {DOC.relative_to(ROOT)}: {len(results)} rows")
+    unclear = [(r, o) for r, o in results if not clear(o)]
+    for r, o in unclear:
+        print(f"UNCLEAR: {r.what}: {o.line}", file=sys.stderr)
+    return 1 if unclear else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,203 @@
+"""Training throughput, each lever on its own and together, side by side in one run.
+
+    python scripts/bench_train.py --data data/smollm2/train.jsonl [--config configs/train_hspec_smollm2.yaml]
+        [--steps 4] [--max-length 512] [--out runs/bench_train] [section.key=value ...]
+
+Every row trains the same drafter from the same seed on the same examples for --steps steps and reports
+training tokens/s and anchored blocks/s (per-step tokens and blocks over the median step time, the
+first step with its one-off allocations left out), their
+ratios to the baseline, and the loss per block after the last step (the weighted slot loss of the same
+batches: a lever that keeps it equal changes the speed only). Rows:
+
+  baseline            the trainer before these levers: target softmax per slot, padded anchors computed,
+                      the target run every step, model.init=random
+  target_probs_once   the target's softmax once per position, shared by the slots reading it
+  pack_anchors        no drafter or loss compute on padded anchors and masked slots
+  feature_cache       target features read back from data.feature_cache (built by a cold run first, whose
+                      time and disk cost are printed); the target's LM head still runs on final_hidden
+  anchors_512         more anchors per target forward (data.num_anchors=512; changes the batch, so the loss)
+  bf16                bf16 target and autocast, only where the CPU computes bf16 natively
+  all_exact           target_probs_once + pack_anchors + feature_cache (loss unchanged)
+  all + anchors_512   and more anchors per target forward
+  init=target_layers  all_exact with the drafter initialised from the target's layers (loss-slope lever)
+
+Prints the CPU model, its flags that matter (avx2 / avx512f / avx512_bf16 / amx_bf16), torch's
+capability string, threads, the load average (a shared machine makes every number provisional) and the
+dtype; writes the rows to <out>/bench_train.json and a bar chart to <out>/bench_train.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sglang_hspec.target.dtypes import bf16_is_fast, cpu_flags, resolve_dtype
+from sglang_hspec.training.config import load_config
+from sglang_hspec.training.trainer import train
+
+BASELINE = ["training.target_probs_once=false", "training.pack_anchors=false"]
+EXACT = ["training.target_probs_once=true", "training.pack_anchors=true"]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/train_hspec_smollm2.yaml")
+    ap.add_argument("--data", default=None, help="data.train_path (JSONL from `hspec data build`)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--max-length", type=int, default=None, help="data.max_length (default: the config's)")
+    ap.add_argument("--out", default="runs/bench_train")
+    ap.add_argument("--rows", default=None, help="comma-separated subset of the rows (default: all)")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every row")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    cache_dir = out / "feature_cache"
+    # no row touches the config's own feature cache: the cache rows use a fresh one under --out
+    common = ["data.feature_cache=null", *args.overrides, f"training.max_steps={args.steps}", "training.save_every=0",
+              "training.log_every=0"]
+    if args.data:
+        common.append(f"data.train_path={args.data}")
+    if args.max_length:
+        common.append(f"data.max_length={args.max_length}")
+    cache = [f"data.feature_cache={cache_dir}"]
+    native_bf16 = bf16_is_fast("cpu")
+    rows = [
+        ("baseline", BASELINE),
+        ("target_probs_once", ["training.target_probs_once=true", "training.pack_anchors=false"]),
+        ("pack_anchors", ["training.target_probs_once=false", "training.pack_anchors=true"]),
+        ("feature_cache", BASELINE + cache),
+        ("anchors_512", BASELINE + ["data.num_anchors=512"]),
+        ("bf16", BASELINE + ["model.target_dtype=bf16", "training.bf16=true"]),
+        ("all_exact", EXACT + cache),
+        ("all + anchors_512", EXACT + cache + ["data.num_anchors=512"]),
+        ("init=target_layers", EXACT + cache + ["model.init=target_layers"]),
+    ]
+    if args.rows:
+        wanted = [r.strip() for r in args.rows.split(",")]
+        unknown = sorted(set(wanted) - {name for name, _ in rows})
+        if unknown:
+            ap.error(f"--rows {unknown} unknown; choose from {[name for name, _ in rows]}")
+        rows = [r for r in rows if r[0] in wanted or r[0] == "baseline"]
+
+    base_cfg = load_config(args.config, common)
+    flags = cpu_flags()
+    print(f"cpu: {cpu_model()} | flags: {' '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f in flags)}"
+          f" | torch capability {torch.backends.cpu.get_cpu_capability()} | threads {torch.get_num_threads()}"
+          f" | load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    dtype = resolve_dtype(base_cfg.model.target_dtype, "cpu")
+    print(f"dtype: target_dtype={base_cfg.model.target_dtype} -> {dtype}; bf16 native on this CPU: {native_bf16} | "
+          f"{args.config}: kind {base_cfg.model.kind}, block_size {base_cfg.model.block_size}, "
+          f"batch {base_cfg.data.batch_size}, max_length {base_cfg.data.max_length}, "
+          f"num_anchors {base_cfg.data.num_anchors}, {args.steps} steps per row")
+
+    from sglang_hspec.target.loading import load_target
+
+    loaded = {}
+
+    def target_for(cfg):
+        key = cfg.model.target_dtype
+        if key not in loaded:
+            adapter = load_target(cfg.model.target, dtype=key, tiny_kwargs=cfg.model.target_kwargs)
+            loaded[key] = (adapter.model, adapter.tokenizer)
+        return loaded[key]
+
+    def run(name: str, extra: list[str]):
+        cfg = load_config(args.config, common + extra + [f"training.output_dir={out / name.replace(' ', '')}"])
+        model, tok = target_for(cfg)
+        t0 = time.perf_counter()
+        res = train(cfg, target=model, tokenizer=tok, progress=True)
+        return res, time.perf_counter() - t0
+
+    results = []
+    cache_note = None
+    for name, extra in rows:
+        if name == "bf16" and not native_bf16:
+            results.append({"row": name, "skipped": "bf16 is not native on this CPU (no avx512_bf16 / amx_bf16)"})
+            continue
+        if any(e.startswith("data.feature_cache=") for e in extra) and cache_note is None:
+            cold, secs = run("feature_cache_build", BASELINE + cache)
+            per_token = cold.cache_stats["disk_bytes"] / max(1, sum(m.tokens for m in cold.history))
+            cache_note = (f"cold cache run (builds it): {secs:.1f} s for {args.steps} steps, "
+                          f"{cold.cache_stats['disk_bytes'] / 2**20:.1f} MiB on disk = {per_token / 1024:.1f} KiB per token")
+            print(cache_note)
+        res, _ = run(name, extra)
+        # median step time after the first: robust to the spikes other processes put on a shared machine
+        secs = statistics.median(m.seconds for m in (res.history[1:] or res.history))
+        last = res.history[-1]
+        tp = {"tokens_per_s": statistics.mean(m.tokens for m in res.history) / secs,
+              "blocks_per_s": statistics.mean(m.blocks for m in res.history) / secs}
+        results.append({"row": name, **tp, "loss": last.loss, "tau_prob": last.tau_prob,
+                        "blocks_per_step": res.history[-1].blocks, "tokens_per_step": res.history[-1].tokens,
+                        "step_seconds": [m.seconds for m in res.history]})
+        print(f"[{name}] {tp['tokens_per_s']:.1f} tokens/s, {tp['blocks_per_s']:.1f} blocks/s, loss {last.loss:.4f}, "
+              f"step seconds {[m.seconds for m in res.history]}", flush=True)
+
+    base = results[0]
+    print(f"\n{'row':<20} {'tokens/s':>9} {'blocks/s':>9} {'x tok/s':>8} {'x blk/s':>8} {'loss@N':>8}  note")
+    print("-" * 78)
+    for r in results:
+        if "skipped" in r:
+            print(f"{r['row']:<20} {'-':>9} {'-':>9} {'-':>8} {'-':>8} {'-':>8}  skipped: {r['skipped']}")
+            continue
+        r["x_tokens"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["x_blocks"] = r["blocks_per_s"] / base["blocks_per_s"]
+        print(f"{r['row']:<20} {r['tokens_per_s']:>9.1f} {r['blocks_per_s']:>9.1f} {r['x_tokens']:>7.2f}x "
+              f"{r['x_blocks']:>7.2f}x {r['loss']:>8.4f}")
+    if cache_note:
+        print(cache_note)
+    payload = {"cpu": cpu_model(), "flags": sorted(f for f in flags if "avx" in f or "amx" in f),
+               "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+               "loadavg": os.getloadavg(), "dtype": str(dtype), "steps": args.steps, "config": args.config,
+               "overrides": common, "cache": cache_note, "rows": results}
+    tmp = out / ".bench_train.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, out / "bench_train.json")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        shown = [r for r in results if "skipped" not in r]
+        fig, ax = plt.subplots(figsize=(9, 4))
+        x = range(len(shown))
+        ax.bar([i - 0.2 for i in x], [r["x_tokens"] for r in shown], 0.4, label="tokens/s")
+        ax.bar([i + 0.2 for i in x], [r["x_blocks"] for r in shown], 0.4, label="blocks/s")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(list(x), [r["row"] for r in shown], rotation=30, ha="right")
+        ax.set_ylabel("x baseline")
+        ax.set_title(f"training throughput, {cpu_model()}, {dtype}, {args.steps} steps")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "bench_train.png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+    print(f"wrote {out / 'bench_train.json'} and {out / 'bench_train.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

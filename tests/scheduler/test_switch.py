@@ -1,0 +1,303 @@
+"""The speculate-or-decode switch (scheduler/switch.py) and AutoPolicy: hand-computed cases, the
+plain-Python twins on random cases, the audit, the probe schedule and the lag."""
+
+import random
+
+import pytest
+import torch
+from sglang_hspec.scheduler import planner, switch
+from sglang_hspec.scheduler.policy import AutoPolicy
+from sglang_hspec.scheduler.sps import SpsCostTable, load_sps_table, save_sps_table, sps_table_from_json
+
+
+def cost_table(verify, plain=None, draft=None, *, max_batch_tokens=None) -> SpsCostTable:
+    """Verify probes at 1, 2, 3, ... batch tokens; plain / draft probes at 1, 2, 3, ... requests."""
+    probes = list(range(1, len(verify) + 1))
+    extra = {}
+    if plain is not None:
+        extra = dict(plain_batch_sizes=list(range(1, len(plain) + 1)), plain_steps_per_sec=plain,
+                     draft_seconds=draft or [])
+    return SpsCostTable(sample_batch_tokens=probes, sample_steps_per_sec=verify,
+                        max_batch_tokens=max_batch_tokens or probes[-1], **extra)
+
+
+def both(survival, costs: switch.StepCosts, **kw):
+    t = torch.tensor(survival, dtype=torch.float64).reshape(len(survival), len(survival[0]) if survival else 0)
+    got = switch.decide_speculation(survival=t, costs=costs, **kw)
+    n = len(survival)
+    want = switch.decide_speculation_reference(
+        survival=survival, sps=costs.scalar_fn(), plain_steps_per_sec=costs.plain_steps_per_sec(n),
+        draft_seconds=costs.draft_seconds(n), **kw)
+    assert got == want
+    return got
+
+
+KNOWN = dict(known_rows=1, steps_since_draft=0, probe_interval=16)
+
+
+def test_one_request_hand_computed():
+    # plain: 1 x 10 = 10 tok/s. draft 0.02 s; verify 1/10, 1/8, 1/5 s at 1, 2, 3 tokens.
+    # spec(0) = 1/0.12 = 8.33, spec(1) = 1.9/0.145 = 13.10, spec(2) = 2.71/0.22 = 12.32 -> n* = 1
+    costs = switch.StepCosts(cost_table([10, 8, 5], plain=[10], draft=[0.02]))
+    d = both([[0.9, 0.9]], costs, **KNOWN)
+    assert (d.speculate, d.budget, d.probe, d.draft_rows, d.best_budget) == (True, 1, False, 1, 1)
+    assert d.spec_tokens_per_sec == pytest.approx(1.9 / 0.145)
+    assert d.plain_tokens_per_sec == 10.0
+
+
+def test_poor_drafts_decode_plainly():
+    # survival 0.3: spec(1) = 1.3/0.145 = 8.97 < 10, spec(2) = 1.39/0.22 = 6.3 -> plain
+    costs = switch.StepCosts(cost_table([10, 8, 5], plain=[10], draft=[0.02]))
+    d = both([[0.3, 0.3]], costs, **KNOWN)
+    assert (d.speculate, d.budget, d.probe, d.draft_rows, d.best_budget) == (False, 0, False, 0, 1)
+
+
+def test_draft_cost_decides():
+    # the same drafts pay with a free drafter (1.3 / 0.125 = 10.4 > 10.5? no: margin 0 here) ...
+    costs_free = switch.StepCosts(cost_table([10, 8, 5], plain=[10], draft=[0.0]))
+    assert both([[0.3, 0.3]], costs_free, margin=0.0, **KNOWN).speculate
+    # ... and the margin demands 5 % more: 10.4 < 10.5
+    assert not both([[0.3, 0.3]], costs_free, margin=0.05, **KNOWN).speculate
+    # the override replaces the table's drafter column
+    assert both([[0.3, 0.3]], switch.StepCosts(cost_table([10, 8, 5], plain=[10], draft=[0.02]),
+                                               draft_seconds=0.0), margin=0.0, **KNOWN).speculate
+
+
+def test_plain_falls_back_to_anchor_only_verify_without_plain_probes():
+    costs = switch.StepCosts(cost_table([10, 8, 5]))
+    assert costs.plain_steps_per_sec(1) == 10 and costs.draft_seconds(1) == 0.0
+    assert costs.plain_steps_per_sec(4) == 0.0  # past capacity
+
+
+def test_probe_when_due_and_only_then():
+    costs = switch.StepCosts(cost_table([10, 8, 5, 4, 3, 2, 1, 1, 1, 1], plain=[10, 9, 8, 7, 6], draft=[0.02] * 5))
+    poor = [[0.1, 0.01]] * 5
+    assert not both(poor, costs, known_rows=5, steps_since_draft=15, probe_interval=16).speculate
+    d = both(poor, costs, known_rows=5, steps_since_draft=16, probe_interval=16, probe_rows=2)
+    # a probe drafts 2 rows and verifies at least as many drafts as rows
+    assert (d.speculate, d.probe, d.draft_rows, d.budget) == (True, True, 2, 2)
+    # nothing known: decode plainly, probe when due (the first step: steps_since_draft is huge)
+    d = both(poor, costs, known_rows=0, steps_since_draft=3, probe_interval=16)
+    assert (d.speculate, d.best_budget) == (False, 0)
+    assert both(poor, costs, known_rows=0, steps_since_draft=2**40, probe_interval=16).probe
+
+
+def test_capacity_and_empty_batch():
+    costs = switch.StepCosts(cost_table([10, 9], plain=[10, 9], draft=[0.0, 0.0]))
+    # 2 requests: B = 2 + n, capacity 2 -> no draft fits (spec(n > 0) = 0)
+    d = both([[1.0], [1.0]], costs, **KNOWN)
+    assert (d.speculate, d.best_budget) == (False, 0)
+    assert both([], costs, **KNOWN) == switch.SpeculationDecision(False, 0, False, 0, 0, 0.0, 0.0)
+
+
+def test_min_survival_and_nan_never_counted():
+    costs = switch.StepCosts(cost_table([10, 9.9, 9.8, 9.7], plain=[10], draft=[0.0]))
+    d = both([[0.5, float("nan"), 1e-9]], costs, min_survival=1e-6, margin=0.0, **KNOWN)
+    assert d.best_budget == 1
+
+
+def test_random_cases_match_reference():
+    rng = random.Random(0)
+    for _ in range(200):
+        n, k = rng.randint(1, 9), rng.randint(1, 6)
+        verify = sorted((rng.uniform(1, 100) for _ in range(rng.randint(2, 40))), reverse=rng.random() < 0.8)
+        plain = [rng.uniform(1, 120) for _ in range(rng.randint(1, 10))]
+        draft = [rng.choice([0.0, rng.uniform(0, 0.05)]) for _ in plain]
+        table = cost_table(verify, plain=plain, draft=draft,
+                           max_batch_tokens=len(verify) + rng.choice([0, 0, 5, 50]))
+        costs = switch.StepCosts(table)
+        conf = [[rng.choice([0.0, 1.0, 0.5, rng.random()]) for _ in range(k)] for _ in range(n)]
+        surv = planner.survivals_reference(confidences=conf)
+        both(surv, costs, known_rows=rng.randint(0, n), steps_since_draft=rng.randint(0, 40),
+             probe_interval=rng.randint(1, 32), probe_rows=rng.randint(1, 5), margin=rng.choice([0.0, 0.05]),
+             min_survival=rng.choice([0.0, 1e-6]))
+
+
+def test_estimated_survival_matches_reference():
+    rng = random.Random(1)
+    for _ in range(50):
+        n, k = rng.randint(1, 6), rng.randint(1, 5)
+        conf = [[rng.random() for _ in range(k)] for _ in range(n)]
+        known = [rng.random() < 0.6 for _ in range(n)]
+        ratios = [rng.uniform(0, 2) for _ in range(k)]
+        got = switch.estimated_survival(confidences=torch.tensor(conf), known=torch.tensor(known),
+                                        ratios=torch.tensor(ratios, dtype=torch.float64))
+        want = switch.estimated_survival_reference(confidences=torch.tensor(conf).double().tolist(), known=known,
+                                                   ratios=ratios)
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+
+
+def test_estimated_survival_hand_computed():
+    # row 0 known: min(1, 0.8*1.5)=1, 0.5*0.5=0.25 -> 1, 0.25; row 1 unknown: the known mean (1, 0.25)
+    got = switch.estimated_survival(confidences=torch.tensor([[0.8, 0.5], [0.0, 0.0]]),
+                                    known=torch.tensor([True, False]), ratios=torch.tensor([1.5, 0.5]))
+    assert got.tolist() == [[1.0, 0.25], [1.0, 0.25]]
+    none_known = switch.estimated_survival(confidences=torch.zeros(1, 2), known=torch.tensor([False]),
+                                           ratios=torch.tensor([0.5, 2.0]))
+    assert none_known.tolist() == [[0.5, 0.5]]
+
+
+def test_audit_counts_hand_computed_and_reference():
+    conf = [[0.9, 0.8, 0.7], [0.6, 0.5, 0.4], [0.3, 0.2, 0.1]]
+    verify, accepted = [3, 2, 0], [1, 2, 0]
+    # row 0: slot 0 kept, slot 1 rejected (attempted); row 1: slots 0, 1 kept (slot 2 not verified)
+    acc, pred = switch.audit_counts(confidences=torch.tensor(conf), verify_lengths=torch.tensor(verify),
+                                    num_accepted=torch.tensor(accepted))
+    assert acc.tolist() == [2.0, 1.0, 0.0]
+    assert pred.tolist() == pytest.approx([1.5, 1.3, 0.0])
+    ref = switch.audit_counts_reference(confidences=conf, verify_lengths=verify, num_accepted=accepted)
+    assert acc.tolist() == ref[0] and pred.tolist() == pytest.approx(ref[1])
+
+
+def test_probe_interval_doubles_and_resets():
+    probe = switch.SpeculationDecision(True, 1, True, 1, 0, 0.0, 1.0)
+    pays = switch.SpeculationDecision(True, 3, False, 2, 3, 2.0, 1.0)
+    plain = switch.SpeculationDecision(False, 0, False, 0, 0, 0.0, 1.0)
+    kw = dict(initial=16, maximum=64)
+    assert switch.next_probe_interval(decision=probe, probe_interval=16, **kw) == 32
+    assert switch.next_probe_interval(decision=probe, probe_interval=64, **kw) == 64
+    assert switch.next_probe_interval(decision=pays, probe_interval=64, **kw) == 16
+    assert switch.next_probe_interval(decision=plain, probe_interval=32, **kw) == 32
+
+
+def test_decision_rejects_device_or_bad_arguments():
+    costs = switch.StepCosts(cost_table([10, 8]))
+    with pytest.raises(ValueError, match="survival must be"):
+        switch.decide_speculation(survival=torch.zeros(3), costs=costs, **KNOWN)
+    with pytest.raises(ValueError, match="probe_interval"):
+        switch.decide_speculation(survival=torch.zeros(1, 1), costs=costs, known_rows=1, steps_since_draft=0,
+                                  probe_interval=0)
+    with pytest.raises(ValueError, match="draft_seconds"):
+        switch.StepCosts(cost_table([10, 8]), draft_seconds=-1.0)
+
+
+# ---- the extended SPS table ---------------------------------------------------------------------
+
+
+def test_extended_table_round_trips_and_validates(tmp_path):
+    t = cost_table([10, 8, 5], plain=[11, 10], draft=[0.02, 0.03])
+    save_sps_table(t, tmp_path / "sps.json")
+    assert load_sps_table(tmp_path / "sps.json") == t
+    assert list(tmp_path.iterdir()) == [tmp_path / "sps.json"]  # the temp file was renamed away
+    assert (t.plain_lookup(1), t.plain_lookup(5), t.draft_lookup(2)) == (11, 10, 0.03)
+    # a table without the columns writes exactly SGLang's three fields
+    plain_only = cost_table([10, 8])
+    assert set(__import__("json").loads(__import__("msgspec").json.encode(plain_only))) == {
+        "sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
+    for bad, match in [
+        ('"plain_batch_sizes":[1,2],"plain_steps_per_sec":[1.0]', "equal length"),
+        ('"plain_batch_sizes":[2,1],"plain_steps_per_sec":[1.0,1.0]', "strictly increasing"),
+        ('"plain_batch_sizes":[1],"plain_steps_per_sec":[0.0]', "plain_steps_per_sec must be > 0"),
+        ('"plain_batch_sizes":[1],"plain_steps_per_sec":[1.0],"draft_seconds":[1.0,2.0]', "draft_seconds must be"),
+        ('"plain_batch_sizes":[1],"plain_steps_per_sec":[1.0],"draft_seconds":[-1.0]', "finite and >= 0"),
+    ]:
+        text = '{"sample_batch_tokens":[1],"sample_steps_per_sec":[1.0],"max_batch_tokens":4,' + bad + "}"
+        with pytest.raises(ValueError, match=match):
+            sps_table_from_json(text, source="x.json")
+
+
+def test_sglang_loader_reads_the_extended_table(tmp_path):
+    sps = pytest.importorskip("sglang.srt.speculative.dspark_components.dspark_sps")
+    t = cost_table([10, 8, 5], plain=[11, 10], draft=[0.02, 0.03])
+    save_sps_table(t, tmp_path / "sps.json")
+    theirs = sps.load_sps_table_from_path(str(tmp_path / "sps.json"))
+    assert theirs.sample_batch_tokens == [1, 2, 3] and theirs.lookup(2) == 8
+
+
+# ---- AutoPolicy --------------------------------------------------------------------------------
+
+
+def run_auto(policy: AutoPolicy, *, steps: int, n: int, k: int, confidence: float, accept: int):
+    """Drive the policy like an engine; every drafted row keeps `accept` drafts (capped by its length)."""
+    slots, gens = torch.arange(n), torch.zeros(n, dtype=torch.long)
+    trace = []
+    for _ in range(steps):
+        decision, rows = policy.decide(slot_ids=slots, generations=gens)
+        if decision.speculate:
+            conf = torch.full((rows.numel(), k), confidence)
+            lengths = policy.plan(confidences=conf, slot_ids=slots[rows], generations=gens[rows])
+            policy.observe(slot_ids=slots[rows], generations=gens[rows], confidences=conf, verify_lengths=lengths,
+                           num_accepted=lengths.clamp_max(accept))
+        trace.append("P" if decision.probe else ("S" if decision.speculate else "."))
+    return "".join(trace)
+
+
+def test_auto_policy_switches_off_for_a_head_that_overpromises_and_probes_rarely():
+    # verify of 2 tokens costs 1.25 plain steps, a draft 0.2: confidence 0.5 would pay (1.5 / 1.45 > 1),
+    # but nothing is ever accepted; after the first probe's outcome (rho_0 = 1 / 1.5: spec(1) = 1.33 /
+    # 0.145 = 9.2 < 10) the policy stays plain, probing at intervals 32, 64, 64 (16 doubled per probe, capped)
+    table = cost_table([10, 8, 6, 5, 4, 3, 2, 2], plain=[10], draft=[0.02])
+    policy = AutoPolicy(table, lag=2, probe_interval=16, max_probe_interval=64, probe_rows=1)
+    trace = run_auto(policy, steps=200, n=1, k=3, confidence=0.5, accept=0)
+    assert [i for i, c in enumerate(trace) if c != "."] == [0, 32, 96, 160]
+    assert set(trace) == {"P", "."}
+    assert policy.stats().speculative_steps == 4 and policy.stats().probes == 4
+    assert float(policy.audit_ratios()[0]) < 0.5
+
+
+def test_auto_policy_speculates_every_step_when_drafts_pay():
+    table = cost_table([10, 9.5, 9, 8.5, 8, 7.5, 7, 6.5], plain=[10], draft=[0.01])
+    policy = AutoPolicy(table, lag=2, probe_rows=1)
+    trace = run_auto(policy, steps=30, n=1, k=3, confidence=0.9, accept=3)
+    # probe at 0, nothing known at 1, from step 2 on (the probe's outcome has matured) every step speculates
+    assert trace == "P." + "S" * 28
+    assert policy.stats().total_budget == 1 + 28 * 3
+
+
+def test_auto_policy_uses_information_exactly_lag_steps_old():
+    table = cost_table([10, 9.5, 9, 8.5], plain=[10], draft=[0.0])
+    for lag in (1, 2, 3):
+        policy = AutoPolicy(table, lag=lag, probe_rows=1)
+        trace = run_auto(policy, steps=8, n=1, k=3, confidence=0.9, accept=3)
+        assert trace == "P" + "." * (lag - 1) + "S" * (8 - lag), lag
+
+
+def test_auto_policy_reused_slot_does_not_inherit_confidences():
+    # slot 0 drafted 0.99 (every draft kept), slot 1 drafted 0.01; then slot 0 gets a new request. It must
+    # borrow the known rows' mean (slot 1's 0.01: nothing worth verifying), not its predecessor's 0.99.
+    table = cost_table([10, 9.9, 9.8, 9.7, 9.6, 9.5, 9.4, 9.3], plain=[10, 10], draft=[0.0, 0.0])
+    policy = AutoPolicy(table, lag=1, probe_rows=2, margin=0.0)
+    slots, conf = torch.arange(2), torch.tensor([[0.99] * 3, [0.01] * 3])
+    for _ in range(3):
+        gens = torch.zeros(2, dtype=torch.long)
+        d, rows = policy.decide(slot_ids=slots, generations=gens)
+        if d.speculate:
+            lengths = policy.plan(confidences=conf[rows], slot_ids=slots[rows], generations=gens[rows])
+            policy.observe(slot_ids=slots[rows], generations=gens[rows], confidences=conf[rows],
+                           verify_lengths=lengths, num_accepted=torch.tensor([3, 0])[rows].minimum(lengths))
+    assert d.speculate and d.best_budget == 3  # slot 0's three drafts pay, slot 1's do not
+    d, _ = policy.decide(slot_ids=slots, generations=torch.tensor([1, 0]))  # a new request in slot 0
+    assert d.best_budget == 0 and not d.speculate
+    assert policy.stats().unknown_rows == 2 + 1  # the cold step's two rows, then the new request
+
+
+def test_auto_policy_new_requests_alone_use_earlier_requests_confidences():
+    # requests served one at a time: each new one is unknown, but the running mean of the earlier
+    # requests' drafts (all kept) says speculating pays, so it speculates at once instead of waiting
+    table = cost_table([10, 9.5, 9, 8.5], plain=[10], draft=[0.0])
+    policy = AutoPolicy(table, lag=1, probe_rows=1)
+    run_auto(policy, steps=4, n=1, k=3, confidence=0.9, accept=3)
+    d, rows = policy.decide(slot_ids=torch.tensor([0]), generations=torch.tensor([1]))
+    assert d.speculate and not d.probe and rows.tolist() == [0]
+
+
+def test_auto_policy_plan_without_decide_is_an_error():
+    policy = AutoPolicy(cost_table([10, 9]))
+    with pytest.raises(ValueError, match="call decide"):
+        policy.plan(confidences=torch.zeros(1, 1), slot_ids=torch.tensor([0]), generations=torch.tensor([0]))
+
+
+def test_topk_lengths_cpu_selection_matches_reference_with_ties():
+    # the CPU path selects instead of sorting: ties at the threshold must still go to the earlier
+    # slot, then the lower request; NaN and values under min_survival are never taken
+    rng = random.Random(3)
+    for _ in range(300):
+        n, k = rng.randint(1, 7), rng.randint(1, 5)
+        pool = [0.0, 0.25, 0.5, 0.5, 1.0, float("nan"), 1e-9, rng.random()]
+        surv = [sorted((rng.choice(pool) for _ in range(k)), key=lambda v: -v if v == v else 1) for _ in range(n)]
+        budget, eps = rng.randint(0, n * k + 2), rng.choice([0.0, 1e-6])
+        for dtype in (torch.float64, torch.float32):
+            got = planner.topk_lengths(survival=torch.tensor(surv, dtype=dtype), budget=budget, min_survival=eps)
+            want = planner.topk_lengths_reference(survival=torch.tensor(surv, dtype=dtype).tolist(), budget=budget,
+                                                  min_survival=eps)
+            assert got.tolist() == want and got.dtype == torch.long

@@ -1,0 +1,198 @@
+"""The SGLang side of "never slower than plain decoding": the HSPEC_SPECULATION policy, its launch checks,
+the plain-decode probes of the auto-profile and the step timer (no server here; the served behaviour is in
+test_sglang_speculation_switch.py). The pieces that subclass SGLang's planner need SGLang (marked)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sglang_hspec.scheduler.sps import SpsCostTable
+
+from sglang_hspec.sglang_plugin import sps_cache, step_timer
+from sglang_hspec.sglang_plugin.speculation_policy import speculation_policy
+from sglang_hspec.sglang_plugin.sps_profile import with_plain_probes
+
+
+# ---- HSPEC_SPECULATION ----
+@pytest.mark.parametrize("raw, policy", [(None, "always"), ("", "always"), ("auto", "auto"), (" Never ", "never")])
+def test_policy_values(raw, policy):
+    assert speculation_policy({} if raw is None else {"HSPEC_SPECULATION": raw}) == policy
+
+
+def test_policy_typo_names_variable_and_choices():
+    with pytest.raises(ValueError, match=r"HSPEC_SPECULATION='sometimes'.*always, auto, never"):
+        speculation_policy({"HSPEC_SPECULATION": "sometimes"})
+
+
+def test_auto_needs_compact_mode():
+    with pytest.raises(ValueError, match="SGLANG_RAGGED_VERIFY_MODE=compact"):
+        sps_cache.check_speculation_policy(policy="auto", mode="static", has_table=True, auto_profile=False)
+
+
+def test_auto_needs_a_table_or_the_auto_profile():
+    with pytest.raises(ValueError, match="HSPEC_AUTO_PROFILE_SPS=1"):
+        sps_cache.check_speculation_policy(policy="auto", mode="compact", has_table=False, auto_profile=False)
+    sps_cache.check_speculation_policy(policy="auto", mode="compact", has_table=False, auto_profile=True)
+    sps_cache.check_speculation_policy(policy="always", mode="static", has_table=False, auto_profile=False)
+
+
+class _Args:
+    speculative_dspark_sps_table_path = None
+
+
+def test_launch_refuses_a_given_table_without_plain_probes(tmp_path):
+    from sglang_hspec.scheduler.sps import save_sps_table
+
+    path = tmp_path / "sps.json"
+    save_sps_table(SpsCostTable(sample_batch_tokens=[8, 16], sample_steps_per_sec=[5.0, 4.0], max_batch_tokens=64),
+                   path)
+    args = _Args()
+    args.speculative_dspark_sps_table_path = str(path)
+    env = {"HSPEC_SPECULATION": "auto", "SGLANG_RAGGED_VERIFY_MODE": "compact"}
+    with pytest.raises(ValueError, match=r"no plain-decode probes.*HSPEC_AUTO_PROFILE_SPS=1"):
+        sps_cache.resolve_sps_table(args, block_size=7, environ=env)
+    assert sps_cache.resolve_sps_table(args, block_size=7, environ={**env, "HSPEC_SPECULATION": "always"}) == path
+
+
+def test_cached_table_without_plain_probes_is_reprofiled_with_them(tmp_path, monkeypatch):
+    from sglang_hspec.scheduler.sps import load_sps_table, save_sps_table
+
+    monkeypatch.setenv("HSPEC_CACHE_DIR", str(tmp_path))
+
+    class Args(_Args):
+        device, model_path, speculative_draft_model_path, tp_size, dtype = "cpu", "/m", "/d", 1, "float32"
+
+    args = Args()
+    cached = sps_cache.table_path_for(sps_cache.SpsCacheKey.from_server_args(args))
+    old = SpsCostTable(sample_batch_tokens=[8], sample_steps_per_sec=[5.0], max_batch_tokens=64)
+    save_sps_table(old, cached)
+    calls = []
+
+    def fake_profile(*, out, settings, plain_probes):
+        calls.append(plain_probes)
+        save_sps_table(SpsCostTable(sample_batch_tokens=[8, 16], sample_steps_per_sec=[5.0, 4.0], max_batch_tokens=64,
+                                    plain_batch_sizes=[1, 2], plain_steps_per_sec=[12.0, 10.0]), out)
+
+    monkeypatch.setattr(sps_cache.sps_profile, "profile_with_server", fake_profile)
+    env = {"HSPEC_SPECULATION": "auto", "SGLANG_RAGGED_VERIFY_MODE": "compact", "HSPEC_AUTO_PROFILE_SPS": "1"}
+    assert sps_cache.resolve_sps_table(args, block_size=7, environ=env) == cached
+    assert calls == [True]
+    assert load_sps_table(cached).plain_steps_per_sec == [12.0, 10.0]
+    # the next start reuses it
+    assert sps_cache.resolve_sps_table(args, block_size=7, environ=env) == cached and calls == [True]
+
+
+# ---- plain-decode probes ----
+def test_with_plain_probes_maps_batch_tokens_to_request_counts():
+    spec = SpsCostTable(sample_batch_tokens=[8, 16, 32], sample_steps_per_sec=[5.0, 4.0, 3.0], max_batch_tokens=384)
+    plain = SpsCostTable(sample_batch_tokens=[8, 16, 32], sample_steps_per_sec=[12.5, 11.0, 9.0], max_batch_tokens=384)
+    out = with_plain_probes(spec, plain, verify_tokens=8)
+    assert out.sample_batch_tokens == [8, 16, 32] and out.sample_steps_per_sec == [5.0, 4.0, 3.0]
+    assert out.plain_batch_sizes == [1, 2, 4] and out.plain_steps_per_sec == [12.5, 11.0, 9.0]
+    assert out.draft_seconds == []  # SGLang's step times already include the draft forward
+    assert out.plain_lookup(3) == 11.0
+
+
+def test_with_plain_probes_refuses_other_verify_widths():
+    spec = SpsCostTable(sample_batch_tokens=[8], sample_steps_per_sec=[5.0], max_batch_tokens=64)
+    plain = SpsCostTable(sample_batch_tokens=[6], sample_steps_per_sec=[9.0], max_batch_tokens=64)
+    with pytest.raises(ValueError, match="not multiples of 8 verify tokens"):
+        with_plain_probes(spec, plain, verify_tokens=8)
+
+
+# ---- HSPEC_STEP_PROFILE ----
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_step_timer_segments_loop_and_kinds(tmp_path, monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(step_timer.time, "perf_counter", clock)
+    timer = step_timer.StepTimer(tmp_path / "steps.json")
+    timer.begin_step(kind="draft")
+    with timer.segment("draft"):
+        clock.now += 0.030
+    clock.now += 0.050
+    timer.end_step()  # step 0.080, no loop before the first step
+    clock.now += 0.010  # scheduler loop
+    timer.add("prepare", 0.002)  # the stale-budget preparation inside the loop
+    timer.begin_step(kind="plain")
+    clock.now += 0.040
+    timer.end_step()
+    snap = json.loads((tmp_path / "steps.json").read_text())
+    assert snap["steps"] == {"draft": 1, "plain": 1}
+    draft, plain = snap["seconds"]["draft"], snap["seconds"]["plain"]
+    assert draft["step"] == pytest.approx(0.080) and draft["draft"] == pytest.approx(0.030) and draft["loop"] == 0
+    assert plain["step"] == pytest.approx(0.040) and plain["loop"] == pytest.approx(0.010)
+    assert plain["loop.prepare"] == pytest.approx(0.002)
+    # a prefill in between: the next gap is not a decode loop
+    timer.note_non_decode_step()
+    clock.now += 5.0
+    timer.begin_step(kind="plain")
+    timer.end_step()
+    later = json.loads((tmp_path / "steps.json").read_text())
+    delta = step_timer.snapshot_delta(later, snap)
+    assert delta["steps"] == {"draft": 0, "plain": 1}
+    assert delta["seconds"]["plain"]["loop"] == pytest.approx(0.0)
+
+
+def test_step_timer_rejects_unknown_kind(tmp_path):
+    with pytest.raises(ValueError, match="step kind"):
+        step_timer.StepTimer(tmp_path / "x.json").begin_step(kind="spec")
+
+
+# ---- SGLang's planner with the recording subclass (needs SGLang) ----
+@pytest.mark.sglang
+def test_recording_budget_planner_keeps_the_lagged_confidences_and_the_same_budget():
+    from sglang.srt.speculative.dspark_components import dspark_planner as dp
+
+    from sglang_hspec.sglang_plugin.speculation_switch import RecordingBudgetPlanner, StaleConfidences
+
+    class Runner:  # what the planner reads of the model runner: the request pool size
+        class req_to_token_pool:
+            req_to_token = torch.zeros(8, 4)
+
+    table = dp.SpsCostTable(sample_batch_tokens=[1, 4, 8], sample_steps_per_sec=[10.0, 9.0, 4.0],
+                            max_batch_tokens=32)
+    cfg = dp.DSparkScheduleConfig(gamma=3)
+    kwargs = dict(sps_table=table, cfg=cfg, model_runner=Runner(), relay_lag_steps=2)
+    theirs, ours = dp.HostConfidenceBudgetPlanner(**kwargs), dp.HostConfidenceBudgetPlanner(**kwargs)
+    ours.__class__ = RecordingBudgetPlanner
+    ours.stale_confidences = StaleConfidences(req_pool_size=8, block_size=3)
+    gen = torch.manual_seed(0)
+    rows = torch.tensor([5, 2, 7])
+    for step in range(4):
+        conf = torch.rand(3, 3, generator=gen)
+        generation = torch.tensor([1, 1, 0 if step < 2 else 2])  # slot 7: never admitted, then a new request
+        current = torch.tensor([1, 1, 2])
+        args = dict(confidence=conf, generation=generation, current_generation=current, req_pool_indices_cpu=rows)
+        assert ours.compute_budget(**args) == theirs.compute_budget(**args)
+        stored, known = ours.stale_confidences.read(rows=rows, generation=current)
+        assert torch.equal(known, torch.tensor([True, True, step >= 2]))
+        assert torch.equal(stored[:2], conf[:2].to(torch.float32))  # lag 0 under the relay's own lag of 2
+
+
+@pytest.mark.sglang
+def test_anchor_only_planner_layout_verifies_one_token_per_request():
+    from sglang_hspec.sglang_plugin.speculation_switch import AnchorOnlyPlanner
+
+    class Runner:
+        decode_cuda_graph_runner = None
+
+    class Planner:
+        verify_num_draft_tokens = 8
+        mode_value = "compact"
+
+    planner = AnchorOnlyPlanner(Planner(), model_runner=Runner())
+    layout = planner.schedule_layout(req_pool_indices=torch.arange(5), device=torch.device("cpu"), confidence=None,
+                                     budget=3)
+    assert layout.verify_lens.tolist() == [1] * 5 and layout.total_verify_tokens == 5
+    assert planner.should_run_compact(layout=layout) and planner.resolve_verify_token_budget(confidence=None) is None
+    assert planner.schedule_layout(req_pool_indices=torch.arange(5), device=torch.device("cpu")) is layout  # cached
+    assert planner.mode_value == "compact"  # everything else is the wrapped planner's

@@ -1,0 +1,75 @@
+"""TargetAdapter (sglang_hspec/target/adapter.py): ragged batched extend, O(1) rollback, hidden capture,
+KV views over its own cache."""
+
+import pytest
+import torch
+
+from sglang_hspec.assets.tiny import tiny_target
+from sglang_hspec.target import adapter as adapter_mod
+from sglang_hspec.target.adapter import TargetAdapter
+
+
+def test_extend_raises_when_the_target_ignores_the_ragged_cache(monkeypatch):
+    adapter = TargetAdapter(tiny_target("llama", num_layers=2))
+    adapter.reset(1, capacity=8)
+    # pass the cache under a name no transformers release reads: the model swallows it into **kwargs
+    monkeypatch.setattr(adapter_mod, "call_with_cache",
+                        lambda module, cache, **inputs: module(**inputs, ragged_cache=cache, use_cache=True))
+    with pytest.raises(RuntimeError, match="wrote 0 of its 2 layers"):
+        adapter.extend(torch.tensor([[5, 6, 7]]))
+    assert int(adapter.lengths[0]) == 0  # nothing committed
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_ragged_extend_matches_a_full_forward(arch):
+    """The inference path (ragged cache passed through call_with_cache, rows of different lengths, the
+    storage grown mid-way) leaves the same K/V, logits and hidden states as one forward per sequence."""
+    adapter = TargetAdapter(tiny_target(arch, dtype=torch.float64, num_layers=3))
+    seqs = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]]
+    adapter.reset(2, capacity=4)
+    adapter.extend(torch.tensor([[5, 6, 7, 8], [12, 13, 2, 2]]), num_tokens=torch.tensor([4, 2]))
+    out = adapter.extend(torch.tensor([[9, 10, 11], [14, 15, 2]]), num_tokens=torch.tensor([3, 2]),
+                         hidden_layer_ids=[1])
+    assert adapter.lengths.tolist() == [7, 4] and adapter.cache.capacity >= 7
+    for b, (seq, m) in enumerate(zip(seqs, (3, 2))):
+        n = len(seq)
+        ref = adapter.full_forward(torch.tensor([seq]), hidden_layer_ids=[1], kv_layer_ids=range(3),
+                                   return_logits=True)
+        for L, (k, v) in ref.kv.items():
+            torch.testing.assert_close(adapter.cache.layers[L].keys[b, :, :n], k[0], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(adapter.cache.layers[L].values[b, :, :n], v[0], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(out.logits[b, :m], ref.logits[0, n - m:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.hidden[b, :m], ref.hidden[0, n - m:], rtol=1e-9, atol=1e-9)
+
+
+def test_truncate_rolls_back_in_place_and_the_next_extend_overwrites():
+    """Rollback only lowers lengths (O(1)); extending after it writes the same K/V and logits as a
+    forward over the kept prefix plus the new tokens."""
+    adapter = TargetAdapter(tiny_target("llama", dtype=torch.float64, num_layers=2))
+    adapter.reset(1, capacity=16)
+    adapter.extend(torch.tensor([[5, 6, 7, 8, 9]]))
+    storage = adapter.cache.layers[0].keys
+    adapter.truncate(torch.tensor([3]), rows=torch.tensor([0]))
+    assert adapter.lengths.tolist() == [3] and adapter.cache.layers[0].keys is storage  # nothing copied
+    out = adapter.extend(torch.tensor([[20, 21]]))
+    ref = adapter.full_forward(torch.tensor([[5, 6, 7, 20, 21]]), kv_layer_ids=[0, 1], return_logits=True)
+    torch.testing.assert_close(adapter.cache.layers[1].keys[0, :, :5], ref.kv[1][0][0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out.logits[0, :2], ref.logits[0, 3:], rtol=1e-6, atol=1e-6)
+
+
+def test_kv_view_reads_the_last_window_of_each_row():
+    adapter = TargetAdapter(tiny_target("qwen3", dtype=torch.float64, num_layers=2))
+    adapter.reset(2, capacity=8)
+    adapter.extend(torch.tensor([[5, 6, 7, 8, 9], [10, 11, 2, 2, 2]]), num_tokens=torch.tensor([5, 2]))
+    view = adapter.kv_view(1, window=3)
+    assert view.positions.tolist() == [[2, 3, 4], [0, 0, 1]]
+    assert view.valid.tolist() == [[True, True, True], [False, True, True]]
+    k, _ = view.gather()
+    torch.testing.assert_close(k[0], adapter.cache.layers[1].keys[0, :, 2:5])
+    torch.testing.assert_close(k[1, :, 1:], adapter.cache.layers[1].keys[1, :, 0:2])
+
+
+def test_layer_ids_outside_the_target_are_refused_with_the_range():
+    adapter = TargetAdapter(tiny_target("llama", num_layers=3))
+    with pytest.raises(ValueError, match=r"7.*0\.\.2"):
+        adapter.check_layer_ids([0, 7])

@@ -1,0 +1,76 @@
+"""`hspec generate / demo` answer a bad flag before loading anything: the flag, the problem, the fix.
+
+Every case here fails in flag validation, so the target named (the embedded one) is never loaded."""
+
+import pytest
+
+from sglang_hspec.cli import main
+
+PROMPT = ["--prompt", "hi"]
+
+
+@pytest.fixture
+def notjson(tmp_path):
+    path = tmp_path / "notjson.json"
+    path.write_text("this is not JSON\n")
+    return str(path)
+
+
+CASES = {  # id -> (argv after `generate --prompt hi`, the whole error line)
+    "block-size-0-shipped": (["--drafter", "shipped", "--block-size", "0"],
+                             "--block-size must be >= 1 (draft tokens per step), got 0; drop it to use the drafter's own"),
+    "block-size-0-ngram": (["--drafter", "ngram", "--block-size", "0"],
+                           "--block-size must be >= 1 (draft tokens per step), got 0; drop it to use the drafter's own"),
+    "block-size-none": (["--drafter", "none", "--block-size", "4"],
+                        "--block-size has no effect with --drafter none (plain decoding proposes nothing); drop "
+                        "--block-size or pick a drafter"),
+    "stale-ngram": (["--drafter", "ngram", "--policy", "stale"],
+                    "--policy stale plans verify lengths from a confidence head, which the ngram drafter has none "
+                    "of: use --policy fixed, or an H-Spec / dspark drafter"),
+    "sts-ngram": (["--drafter", "ngram", "--sts", "sts.json"],
+                  "--sts calibrates a drafter's confidence head; the ngram drafter has none: drop --sts"),
+    "temperature-negative": (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    "temperature-nan": (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    "top-p-0": (["--temperature", "1", "--top-p", "0"],
+                "--top-p must be in (0, 1] (1 disables nucleus sampling), got 0.0"),
+    "top-p-1.5": (["--temperature", "1", "--top-p", "1.5"],
+                  "--top-p must be in (0, 1] (1 disables nucleus sampling), got 1.5"),
+    "top-k-negative": (["--temperature", "1", "--top-k", "-1"], "--top-k must be >= 0 (0 disables it), got -1"),
+    "top-p-greedy": (["--top-p", "0.9"], "--top-p 0.9 has no effect with --temperature 0 (greedy decoding): set "
+                                         "--temperature > 0 to sample, or drop --top-p"),
+    "top-k-greedy": (["--top-k", "5"], "--top-k 5 has no effect with --temperature 0 (greedy decoding): set "
+                                       "--temperature > 0 to sample, or drop --top-k"),
+    "max-new-tokens-0": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    "stop-empty": (["--stop", ""], "--stop '' is empty: it would end every output after its first token; give a "
+                                   "non-empty stop string"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_rejects_bad_flag(case, capsys):
+    extra, message = CASES[case]
+    assert main(["generate", *PROMPT, *extra]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_fixed_policy_refuses_an_sps_table_instead_of_ignoring_it(notjson, capsys):
+    assert main(["generate", *PROMPT, "--policy", "fixed", "--sps-table", notjson]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: the fixed policy verifies whole blocks and does not read an SPS table: drop --sps-table {notjson} "
+        "or use --policy stale / --policy exact")
+
+
+def test_bad_sps_table_and_sts_files_fail_before_the_target_loads(notjson, tmp_path, capsys):
+    assert main(["generate", *PROMPT, "--drafter", "shipped", "--policy", "stale", "--sps-table", notjson]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: SPS table {notjson} ") and "\n" == err[-1]
+    missing = tmp_path / "sts.json"
+    assert main(["generate", *PROMPT, "--drafter", "shipped", "--sts", str(missing)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: cannot read STS calibration {str(missing)!r}")
+
+
+def test_demo_validates_flags_before_loading(capsys):
+    assert main(["demo", "--limit", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --limit must be >= 1 (MT-Bench questions to run), got 0"
+    assert main(["demo", "--drafter", "ngram", "--block-size", "0"]) == 2
+    assert "--block-size must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_hspec.target.adapter import TargetAdapter
+from sglang_hspec.training.config import load_config
+from sglang_hspec.training.features import FeatureCache, bytes_per_token, example_key
+from sglang_hspec.training.trainer import train
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "train_tiny.yaml"
+SMALL = ["data.synthetic.num_sequences=16", "data.synthetic.seq_len=24", "data.max_length=24",
+         "data.batch_size=4", "data.num_anchors=4"]
+
+
+@pytest.fixture
+def count_target_forwards(monkeypatch):
+    calls = []
+    real = TargetAdapter.full_forward
+
+    def counting(self, input_ids, **kwargs):
+        calls.append(input_ids.shape[0])
+        return real(self, input_ids, **kwargs)
+
+    monkeypatch.setattr(TargetAdapter, "full_forward", counting)
+    return calls
+
+
+def test_feature_cache_gives_the_same_losses_and_runs_the_target_once_per_example(tmp_path, count_target_forwards):
+    # 16 sequences, 4 per step: 8 steps are 2 epochs
+    over = SMALL + ["training.max_steps=8"]
+    plain = train(load_config(TINY, over + [f"training.output_dir={tmp_path / 'plain'}"]), progress=False)
+    assert len(count_target_forwards) == 8
+    count_target_forwards.clear()
+    cache_over = over + [f"data.feature_cache={tmp_path / 'cache'}"]
+    first = train(load_config(TINY, cache_over + [f"training.output_dir={tmp_path / 'a'}"]), progress=False)
+    assert len(count_target_forwards) == 4  # epoch 1 only
+    assert first.cache_stats["misses"] == 16 and first.cache_stats["hits"] == 16
+    # epoch 1 trains on the very forward that fills the cache; epoch 2 reads features of other batches' forwards
+    assert [m.loss for m in first.history[:4]] == [m.loss for m in plain.history[:4]]
+    assert [m.loss for m in first.history] == pytest.approx([m.loss for m in plain.history], rel=1e-5)
+    # a later run (another kind, another seed...) on the same target and data: no target forward at all
+    count_target_forwards.clear()
+    warm = train(load_config(TINY, cache_over + [f"training.output_dir={tmp_path / 'b'}"]), progress=False)
+    assert count_target_forwards == [] and warm.cache_stats["misses"] == 0
+    assert [m.loss for m in warm.history] == pytest.approx([m.loss for m in first.history], rel=1e-6)
+    # disk: 16 shards of 24 tokens at the stated cost per token, plus small safetensors headers
+    per_token = bytes_per_token(hidden_size=64, num_hidden_ids=5, num_kv_layers=3, num_kv_heads=2, head_dim=16,
+                                dtype="fp32")
+    assert per_token == (6 * 64 + 2 * 3 * 2 * 16) * 4
+    assert 16 * 24 * per_token <= first.cache_stats["disk_bytes"] <= 16 * 24 * per_token + 16 * 2048
+
+
+def test_feature_cache_for_another_setup_is_refused_with_the_fix(tmp_path):
+    FeatureCache(tmp_path, target_fingerprint="abc", hidden_layer_ids=[0, 1], kv_layer_ids=[1], dtype="fp32")
+    FeatureCache(tmp_path, target_fingerprint="abc", hidden_layer_ids=[0, 1], kv_layer_ids=[1], dtype="fp32")  # reuse
+    with pytest.raises(ValueError, match=r"built for another setup \(differs in \['target_fingerprint', 'dtype'\].*"
+                                         r"use another directory"):
+        FeatureCache(tmp_path, target_fingerprint="xyz", hidden_layer_ids=[0, 1], kv_layer_ids=[1], dtype="bf16")
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a feature-cache manifest"):
+        FeatureCache(tmp_path, target_fingerprint="abc", hidden_layer_ids=[0, 1], kv_layer_ids=[1], dtype="fp32")
+
+
+def test_shards_round_trip_and_pad_to_the_batch_length(tmp_path):
+    cache = FeatureCache(tmp_path, target_fingerprint="t", hidden_layer_ids=[0, 2], kv_layer_ids=[2], dtype="bf16")
+    g = torch.Generator().manual_seed(0)
+    ex = {}
+    for n in (3, 5):
+        ex[n] = dict(hidden=torch.randn(n, 2, 8, generator=g), kv={2: (torch.randn(2, n, 4, generator=g),
+                     torch.randn(2, n, 4, generator=g))}, final_hidden=torch.randn(n, 8, generator=g))
+        cache.put(example_key(list(range(n))), **ex[n])
+    assert example_key([0, 1, 2]) != example_key([0, 1, 3])
+    f = cache.load_batch([example_key(list(range(5))), example_key(list(range(3)))], length=6, dtype=torch.float32,
+                         device="cpu")
+    assert f.hidden.shape == (2, 6, 2, 8) and f.kv[2][0].shape == (2, 2, 6, 4) and f.final_hidden.shape == (2, 6, 8)
+    torch.testing.assert_close(f.hidden[1, :3], ex[3]["hidden"].bfloat16().float())
+    torch.testing.assert_close(f.kv[2][1][0, :, :5], ex[5]["kv"][2][1].bfloat16().float())
+    assert (f.hidden[1, 3:] == 0).all() and (f.final_hidden[0, 5:] == 0).all()
+    assert not list((tmp_path / "shards").glob(".*"))  # no temp file left behind
+
+
+@pytest.mark.slow
+def test_one_cache_serves_every_kind_of_the_recipe(tmp_path, count_target_forwards):
+    """hspec fills it (hidden of all target_layer_ids, KV of the last three); dspark (hidden only) and
+    hspec_kv_only (KV only) then train without a target forward; dflash_target_kv needs KV of all five."""
+    over = SMALL + ["training.max_steps=4", f"data.feature_cache={tmp_path / 'cache'}"]
+    train(load_config(TINY, over + [f"training.output_dir={tmp_path / 'hspec'}"]), progress=False)
+    assert len(count_target_forwards) == 4
+    for kind in ("dspark", "hspec_kv_only"):
+        count_target_forwards.clear()
+        cached = train(load_config(TINY, over + [f"model.kind={kind}", "model.kv_layer_ids=[]",
+                                                 f"training.output_dir={tmp_path / kind}"]), progress=False)
+        assert count_target_forwards == [], kind
+        plain = train(load_config(TINY, SMALL + ["training.max_steps=4", f"model.kind={kind}", "model.kv_layer_ids=[]",
+                                                 f"training.output_dir={tmp_path / (kind + '_plain')}"]),
+                      progress=False)
+        assert [m.loss for m in cached.history] == pytest.approx([m.loss for m in plain.history], rel=1e-5), kind
+    with pytest.raises(ValueError, match=r"not \['kv 0', 'kv 1'\] that this drafter reads; use another directory"):
+        train(load_config(TINY, over + ["model.kind=dflash_target_kv", "model.kv_layer_ids=[]",
+                                        f"training.output_dir={tmp_path / 'dtk'}"]), progress=False)
+
+
+def test_full_disk_while_caching_is_a_clear_error_and_leaves_no_partial_shard(tmp_path, monkeypatch):
+    import errno
+
+    from sglang_hspec.training import features
+
+    cache = FeatureCache(tmp_path, target_fingerprint="t", hidden_layer_ids=[0], kv_layer_ids=[], dtype="fp32")
+
+    def full_disk(tensors, path, *a, **k):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(features, "save_file", full_disk)
+    with pytest.raises(OSError, match=r"no space left on device writing the target-feature cache .*"
+                                      r"feature_cache_dtype=bf16"):
+        cache.put("k", hidden=torch.zeros(2, 1, 4), kv={}, final_hidden=torch.zeros(2, 4))
+    assert not cache.has("k") and list((tmp_path / "shards").iterdir()) == []

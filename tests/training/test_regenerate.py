@@ -1,0 +1,284 @@
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from sglang_hspec.assets.prompts import chat_input_ids
+from sglang_hspec.assets.tiny import save_tiny_target, tiny_tokenizer
+from sglang_hspec.core.types import SamplingParams
+from sglang_hspec.engine.drafters import NoDrafter
+from sglang_hspec.engine.engine import SpeculativeEngine
+from sglang_hspec.target.loading import load_target
+from sglang_hspec.training import regenerate as regen_module
+from sglang_hspec.training.data import in_heldout, read_jsonl
+from sglang_hspec.training.data import main as data_main
+from sglang_hspec.training.regenerate import RegenStats, regenerate, repetition_loop
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_repetition_loop_finds_exact_tail_loops_only():
+    intro = list(range(100, 140))
+    assert repetition_loop(intro + [5, 6, 7] * 11) == 3  # 33 looping tokens >= min_loop_tokens 32
+    assert repetition_loop(intro + [5, 6, 7] * 10) is None  # 30 < 32
+    cycle = list(range(200, 220))
+    assert repetition_loop(intro + cycle * 3 + cycle[:7]) == 20  # cut mid-cycle by max_new_tokens
+    assert repetition_loop(intro + cycle * 2) is None  # two repeats only
+    assert repetition_loop(intro + [9] * 31) is None and repetition_loop(intro + [9] * 32) == 1
+    assert repetition_loop(intro + cycle * 3 + [1]) is None  # the loop must reach the end
+    assert repetition_loop(intro + [5, 6] * 3, min_loop_tokens=6) == 2
+    assert repetition_loop(intro + cycle * 3, max_period=19) is None
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@dataclass
+class _Result:
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class ScriptedEngine:
+    """Stands in for SpeculativeEngine: the reply to a prompt is fixed by the last user message (LOOP:
+    an exact loop; EMPTY: nothing; BOOM: raises; otherwise 'reply <n>' with n = that message's length)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.calls: list[tuple[int, SamplingParams]] = []
+
+    def generate(self, prompts, sampling):
+        self.calls.append((len(prompts), sampling))
+        out = []
+        for ids in prompts:
+            last = self.tok.decode(ids).rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
+            if "BOOM" in last:
+                raise RuntimeError("scripted failure")
+            if "LOOP" in last:
+                loop = self.tok("ab cd ef", add_special_tokens=False)["input_ids"]
+                ids_out = (loop * 40)[: sampling.max_new_tokens]
+            elif "EMPTY" in last:
+                ids_out = []
+            else:
+                ids_out = self.tok(f"reply {len(last)}", add_special_tokens=False)["input_ids"]
+            text = self.tok.decode(ids_out)
+            out.append(_Result(ids_out, text, "length" if len(ids_out) == sampling.max_new_tokens else "eos"))
+        return out
+
+
+def _conv(*turns):
+    roles = ["user", "assistant"] * len(turns)
+    return [{"role": r, "content": t} for r, t in zip(roles, turns)]
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_accounting_multi_turn_loops_and_failures(tmp_path, tokenizer):
+    recs = [{"id": f"r{i}", "conversations": _conv("hi" * (i + 1), "old", "more?", "old")} for i in range(6)]
+    recs += [
+        {"id": "loop", "conversations": _conv("LOOP please", "old")},
+        {"id": "loop2", "conversations": _conv("fine", "old", "now LOOP", "old")},  # keeps its first turn
+        {"id": "empty", "conversations": _conv("EMPTY", "old")},
+        {"id": "boom", "conversations": _conv("BOOM", "old")},
+        {"id": "r0", "conversations": _conv("dup", "old")},
+        {"id": "sys", "conversations": [{"role": "system", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        {"id": "eval", "conversations": _conv("What is  2+2?", "4")},
+        {"id": "long", "conversations": _conv("word " * 400, "old")},
+        {"id": "bad", "conversations": [{"role": "robot", "content": "?"}]},
+        {"id": "lead", "conversations": [{"role": "assistant", "content": "hello"}] + _conv("q lead", "old")},
+    ]
+    src = _write(tmp_path / "in.jsonl", recs)
+    engine = ScriptedEngine(tokenizer)
+    stats = regenerate(engine=engine, tokenizer=tokenizer, in_paths=[src], out_dir=tmp_path / "out", batch_size=4,
+                       max_new_tokens=40, max_turns=2, max_prompt_tokens=300, exclude_texts={"what is 2+2?"},
+                       heldout_fraction=0.3, progress=False)
+    assert (stats.input, stats.succeeded, stats.failed, stats.skipped) == (16, 8, 1, 7)
+    assert stats.skip_reasons == {"duplicate_id": 1, "empty_reply": 1, "evaluation_prompt": 1, "invalid_record": 1,
+                                  "no_user_turn": 1, "prompt_too_long": 1, "repetition_loop": 1}
+    rows = {r["id"]: r["conversations"] for p in ("train", "heldout") for r in read_jsonl(tmp_path / "out" / f"{p}.jsonl")}
+    assert sorted(rows) == sorted([f"r{i}" for i in range(6)] + ["loop2", "lead"])
+    # every assistant turn is the engine's, conditioned turn by turn; the second turn of loop2 was dropped
+    assert rows["r2"] == _conv("hihihi", "reply 6", "more?", "reply 5")
+    assert rows["loop2"] == _conv("fine", "reply 4")
+    assert rows["lead"] == _conv("q lead", "reply 6")
+    held = {r["id"] for r in read_jsonl(tmp_path / "out" / "heldout.jsonl")}
+    assert held == {i for i in rows if in_heldout(i, 0.3)} and 0 < len(held) < 8
+    assert stats.train_records + stats.heldout_records == 8
+    # target tokens: the kept replies' token counts (loop2's dropped loop not included)
+    expected = sum(len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+                   for c in rows.values() for m in c if m["role"] == "assistant")
+    assert stats.target_tokens == stats.train_tokens + stats.heldout_tokens == expected
+    assert msgspec.json.decode((tmp_path / "out" / "stats.json").read_bytes(), type=RegenStats) == stats
+    # batches of at most 4 rows; the one holding BOOM failed and was retried record by record
+    assert max(n for n, _ in engine.calls) == 4 and any(n == 1 for n, _ in engine.calls)
+    # a second call finds everything committed and generates nothing
+    again = ScriptedEngine(tokenizer)
+    same = regenerate(engine=again, tokenizer=tokenizer, in_paths=[src], out_dir=tmp_path / "out", batch_size=4,
+                      max_new_tokens=40, max_turns=2, max_prompt_tokens=300, exclude_texts={"what is 2+2?"},
+                      heldout_fraction=0.3, progress=False)
+    assert again.calls == [] and same.this_run_records == 0
+    assert (same.succeeded, same.failed, same.skip_reasons) == (stats.succeeded, stats.failed, stats.skip_reasons)
+
+
+def test_sampling_seed_is_per_batch_and_reproducible(tmp_path, tokenizer):
+    src = _write(tmp_path / "in.jsonl", [{"id": f"r{i}", "conversations": _conv(f"q{i}", "a")} for i in range(6)])
+    seeds = []
+    for run in range(2):
+        engine = ScriptedEngine(tokenizer)
+        regenerate(engine=engine, tokenizer=tokenizer, in_paths=[src], out_dir=tmp_path / f"o{run}", batch_size=3,
+                   temperature=0.7, top_p=0.9, progress=False)
+        seeds.append([s.seed for _, s in engine.calls])
+        assert all((s.temperature, s.top_p) == (0.7, 0.9) for _, s in engine.calls)
+    assert seeds[0] == seeds[1] and len(set(seeds[0])) == 2 and None not in seeds[0]
+    greedy = ScriptedEngine(tokenizer)
+    regenerate(engine=greedy, tokenizer=tokenizer, in_paths=[src], out_dir=tmp_path / "g", temperature=0,
+               progress=False)
+    assert [s.seed for _, s in greedy.calls] == [None]
+
+
+def test_resume_after_partial_runs_and_torn_writes(tmp_path, tokenizer, monkeypatch):
+    # length-sorted windows of 2 batches: a resume must cut the same windows and batches as one run
+    monkeypatch.setattr(regen_module, "SORT_WINDOW_BATCHES", 2)
+    src = _write(tmp_path / "in.jsonl", [{"id": f"r{i}", "conversations": _conv(f"q{i}" + " x" * (i * 3 % 7), "a")}
+                                         for i in range(10)])
+    kw = dict(tokenizer=tokenizer, in_paths=[src], batch_size=2, temperature=0.8, progress=False)
+    full_engine = ScriptedEngine(tokenizer)
+    full = regenerate(engine=full_engine, out_dir=tmp_path / "full", **kw)
+    out = tmp_path / "part"
+    part_engine = ScriptedEngine(tokenizer)
+    part = regenerate(engine=part_engine, out_dir=out, max_batches=1, **kw)
+    assert (part.succeeded, part.skip_reasons) == (2, {"not_generated_yet": 8})
+    # a kill between the status rename and the records rename, and a kill mid temp-file write
+    shards = out / "shards"
+    (shards / "000001.status.jsonl").write_text('{"id": "r9", "status": "succeeded"}\n')
+    (shards / ".000001.jsonl.abc.tmp").write_text('{"id": "r9", "conv')
+    engine = ScriptedEngine(tokenizer)
+    done = regenerate(engine=engine, out_dir=out, **kw)
+    assert sum(n for n, _ in engine.calls) == 8
+    # the batch seeds hash the batch's ids: equal seed lists = equal batches
+    assert [c.seed for _, c in part_engine.calls + engine.calls] == [c.seed for _, c in full_engine.calls]
+    assert (done.input, done.succeeded, done.skipped) == (10, 10, 0) == (full.input, full.succeeded, full.skipped)
+
+    def records(d):
+        return sorted((r["id"], json.dumps(r["conversations"])) for p in ("train", "heldout")
+                      for r in read_jsonl(d / f"{p}.jsonl"))
+
+    assert records(out) == records(tmp_path / "full")
+
+
+def test_bad_input_names_the_file_and_the_fix(tmp_path, tokenizer):
+    with pytest.raises(FileNotFoundError, match=r"--in .*missing\.jsonl.*hspec data build"):
+        regenerate(engine=None, tokenizer=tokenizer, in_paths=[tmp_path / "missing.jsonl"], out_dir=tmp_path / "o")
+    src = _write(tmp_path / "in.jsonl", [{"id": "a", "conversations": _conv("q", "a")}])
+    with pytest.raises(ValueError, match="chat template"):
+        regenerate(engine=None, tokenizer=None, in_paths=[src], out_dir=tmp_path / "o")
+    (tmp_path / "busy").mkdir()
+    with open(tmp_path / "busy" / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(RuntimeError, match=r"another `hspec data regenerate` is writing to .*busy"):
+            regenerate(engine=ScriptedEngine(tokenizer), tokenizer=tokenizer, in_paths=[src],
+                       out_dir=tmp_path / "busy", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_target(tmp_path_factory, tokenizer):
+    return save_tiny_target(tmp_path_factory.mktemp("tiny") / "target", tokenizer=tokenizer, dtype=torch.float32)
+
+
+def test_real_engine_replies_match_single_request_decoding(tmp_path, tokenizer, tiny_chat_target):
+    adapter = load_target(str(tiny_chat_target), dtype="fp32")
+    engine = SpeculativeEngine(adapter, NoDrafter())
+    recs = [{"id": f"r{i}", "conversations": _conv(f"def f{i}(x):" + " return x" * i, "old")} for i in range(5)]
+    src = _write(tmp_path / "in.jsonl", recs)
+    stats = regenerate(engine=engine, tokenizer=tokenizer, in_paths=[src], out_dir=tmp_path / "out", batch_size=3,
+                       max_new_tokens=12, temperature=0, heldout_fraction=0.0, progress=False)
+    assert (stats.input, stats.succeeded + stats.skipped) == (5, 5)
+    rows = {r["id"]: r["conversations"] for r in read_jsonl(tmp_path / "out" / "train.jsonl")}
+    assert len(rows) >= 3  # the random tiny target rarely emits EOS first
+    for rec in recs:
+        single = engine.generate([chat_input_ids(tokenizer, rec["conversations"][:1])],
+                                 SamplingParams(max_new_tokens=12))[0]
+        if single.text.strip():
+            assert rows[rec["id"]] == [rec["conversations"][0], {"role": "assistant", "content": single.text.strip()}]
+        else:
+            assert rec["id"] not in rows
+
+
+def _ids_of(out_dir):
+    """Ids of the committed shards (a status file counts once its records file exists)."""
+    return [r["id"] for p in sorted((out_dir / "shards").glob("*.status.jsonl"))
+            if p.with_name(p.name.replace(".status", "")).is_file() for r in read_jsonl(p)]
+
+
+@pytest.mark.slow  # two interpreter starts (torch + transformers imports): ~40 s on 2 busy cores
+def test_sigkill_mid_run_then_restart_equals_one_uninterrupted_run(tmp_path, tiny_chat_target, capsys):
+    n = 32
+    src = _write(tmp_path / "in.jsonl",
+                 [{"id": f"r{i:02d}", "conversations": _conv(f"class C{i}:" + " pass" * (i % 7), "old")}
+                  for i in range(n)])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    def args(out):
+        return ["regenerate", "--in", str(src), "--out", str(out), "--target", str(tiny_chat_target), "--dtype", "fp32",
+                "--batch-size", "2", "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "3"]
+
+    def command(out):
+        return [sys.executable, "-m", "sglang_hspec.training.data", *args(out)]
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(command(killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while len(list((killed / "shards").glob("*.status.jsonl"))) < 3 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the regeneration subprocess committed no shard in 300 s"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"it finished before the kill: {proc.stderr.read().decode()[-2000:]}"
+    before = set(_ids_of(killed))
+    assert 0 < len(before) < n
+    done = subprocess.run(command(killed), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stats = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stats["input"] == n and stats["succeeded"] + stats["failed"] + stats["skipped"] == n
+    assert 0 < stats["this_run_records"] <= n - len(before)
+    # the uninterrupted run: the same CLI in this process (same torch, one thread, as conftest sets)
+    capsys.readouterr()
+    assert data_main(args(tmp_path / "whole")) == 0
+    resumed, whole = _ids_of(killed), _ids_of(tmp_path / "whole")
+    assert len(resumed) == len(set(resumed)) == n and set(resumed) == set(whole) and before <= set(resumed)
+    assert not list((killed / "shards").glob(".*.tmp"))
+
+    def records(d):
+        return sorted((r["id"], json.dumps(r["conversations"])) for r in read_jsonl(d / "train.jsonl"))
+
+    # same batches, same per-batch seeds: the resumed run wrote what the uninterrupted one did
+    assert records(killed) == records(tmp_path / "whole")
+
+
+def test_math_prompts_leave_math500_out():
+    from sglang_hspec.assets.prompts import load_prompts
+    from sglang_hspec.training.data import MATH_SUBJECTS, _norm_text, evaluation_prompt_texts, math_records
+
+    recs = list(math_records(limit=10_000))
+    assert len(recs) == 4500 == len({r["id"] for r in recs})  # the MATH test split (5,000) minus MATH-500
+    assert [r["id"].rsplit("-", 1)[0] for r in recs[:7]] == [f"math-{s}" for s in MATH_SUBJECTS]
+    evaluation = evaluation_prompt_texts()
+    assert not any(_norm_text(r["conversations"][0]["content"]) in evaluation for r in recs)
+    # the filter is live: MATH-500's own prompts are in the evaluation set in this very format
+    assert _norm_text(load_prompts("math500", limit=1)[0].turns[0]) in evaluation
+    assert [m["role"] for m in recs[0]["conversations"]] == ["user", "assistant"]
