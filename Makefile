@@ -31,4 +31,5 @@ setup-sglang:
 test-sglang: setup-sglang
 	.venv-sglang/bin/python -m pytest -q -m "not slow" tests/target tests/model
 	.venv-sglang/bin/python -m pytest -q tests/kernels
-	.venv-sglang/bin/python -m pytest -q tests/sglang_plugin tests/client/test_client_sglang_real.py
+	.venv-sglang/bin/python -m pytest -q tests/sglang_plugin tests/client/test_client_sglang_real.py \
+		tests/calibration/test_sts_sglang_parity.py tests/scheduler/test_switch.py

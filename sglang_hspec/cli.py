@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_export_dspark_parser(sub)
-    _optional(sub, "sglang_hspec.training.data")
+    _optional(sub, "sglang_hspec.training.data_cli")
     _optional(sub, "sglang_hspec.training.trainer")
     _optional(sub, "sglang_hspec.training.eval")
     _optional(sub, "sglang_hspec.calibration.cli")

@@ -1,4 +1,4 @@
-"""`HSpecDraftModel`: SGLang's model class for H-Spec drafter checkpoints (sglang-integration.md §5-§8, §11).
+"""`HSpecDraftModel`: SGLang's model class for H-Spec drafter checkpoints (docs/architecture.md, "One request through the SGLang worker", "Checkpoint format").
 
 A thin adapter around sglang_hspec.model.DraftModel (one source of truth for the math). SGLang builds it
 from the drafter's `config.json` (`architectures: ["HSpecDraftModel"]`, the `hspec` section) and feeds it

@@ -10,11 +10,9 @@ regenerate` (training/regenerate.py) rewrites assistant turns with the target in
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import random
-import sys
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -348,53 +346,3 @@ def _example_tokens(rec: Any, *, tokenizer, max_length: int) -> tuple[list[int],
         return tokenize_conversation(tokenizer, normalize_conversation(rec["conversations"]), max_length=max_length)
     raise ValueError(f"the record has neither conversations nor input_ids (its keys: {sorted(rec)}); expected "
                      f"{RECORD_LAYOUTS}")
-
-
-# ------------------------------------------------------------------ CLI
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("data", help="build / regenerate drafter training data (SpecForge JSONL layout)")
-    sub = p.add_subparsers(dest="data_command", required=True)
-    b = sub.add_parser("build", help="ShareGPT + Python source -> train.jsonl / heldout.jsonl")
-    b.add_argument("--out", required=True, help="output directory")
-    b.add_argument("--sharegpt", type=int, default=10000, help="ShareGPT conversations to read (0: none)")
-    b.add_argument("--code", type=int, default=2000, help="Python source chunks to add (0: none)")
-    b.add_argument("--math", type=int, default=0, help="MATH problems outside MATH-500 to add (0: none)")
-    b.add_argument("--code-root", default=None, help="directory of .py files (default: the stdlib)")
-    b.add_argument("--heldout", type=float, default=0.02, help="held-out fraction (split by id hash)")
-    b.set_defaults(func=run_cli)
-    r = sub.add_parser("regenerate", help="rewrite assistant turns with the target, batched and resumable")
-    from sglang_hspec.training.regenerate import add_arguments
-
-    add_arguments(r)
-    r.set_defaults(func=run_cli)
-    return p
-
-
-def run_cli(args) -> int:
-    if args.data_command == "build":
-        def records():
-            if args.sharegpt:
-                yield from sharegpt_records(limit=args.sharegpt)
-            if args.code:
-                yield from code_records(limit=args.code, root=args.code_root)
-            if args.math:
-                yield from math_records(limit=args.math)
-
-        stats = build_dataset(records=records(), out_dir=args.out, heldout_fraction=args.heldout,
-                              exclude_texts=evaluation_prompt_texts())
-        print(json.dumps(stats.__dict__))
-        return 0
-    from sglang_hspec.training.regenerate import run_cli as run_regenerate
-
-    return run_regenerate(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_hspec.training.data")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["data", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

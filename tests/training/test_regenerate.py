@@ -20,7 +20,7 @@ from sglang_hspec.engine.engine import SpeculativeEngine
 from sglang_hspec.target.loading import load_target
 from sglang_hspec.training import regenerate as regen_module
 from sglang_hspec.training.data import in_heldout, read_jsonl
-from sglang_hspec.training.data import main as data_main
+from sglang_hspec.training.data_cli import main as data_main
 from sglang_hspec.training.regenerate import RegenStats, regenerate, repetition_loop
 
 REPO = Path(__file__).resolve().parents[2]

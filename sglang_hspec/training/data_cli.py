@@ -1,0 +1,66 @@
+"""`hspec data build | regenerate`: the command line over training/data.py (building SpecForge JSONL) and
+training/regenerate.py (self-distilled answers). Its own module so that neither of those imports the other's
+command line: regenerate.py builds on data.py, never the reverse."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sglang_hspec.training.data import (
+    build_dataset,
+    code_records,
+    evaluation_prompt_texts,
+    math_records,
+    sharegpt_records,
+)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("data", help="build / regenerate drafter training data (SpecForge JSONL layout)")
+    sub = p.add_subparsers(dest="data_command", required=True)
+    b = sub.add_parser("build", help="ShareGPT + Python source -> train.jsonl / heldout.jsonl")
+    b.add_argument("--out", required=True, help="output directory")
+    b.add_argument("--sharegpt", type=int, default=10000, help="ShareGPT conversations to read (0: none)")
+    b.add_argument("--code", type=int, default=2000, help="Python source chunks to add (0: none)")
+    b.add_argument("--math", type=int, default=0, help="MATH problems outside MATH-500 to add (0: none)")
+    b.add_argument("--code-root", default=None, help="directory of .py files (default: the stdlib)")
+    b.add_argument("--heldout", type=float, default=0.02, help="held-out fraction (split by id hash)")
+    b.set_defaults(func=run_cli)
+    r = sub.add_parser("regenerate", help="rewrite assistant turns with the target, batched and resumable")
+    from sglang_hspec.training.regenerate import add_arguments
+
+    add_arguments(r)
+    r.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(args) -> int:
+    if args.data_command == "build":
+        def records():
+            if args.sharegpt:
+                yield from sharegpt_records(limit=args.sharegpt)
+            if args.code:
+                yield from code_records(limit=args.code, root=args.code_root)
+            if args.math:
+                yield from math_records(limit=args.math)
+
+        stats = build_dataset(records=records(), out_dir=args.out, heldout_fraction=args.heldout,
+                              exclude_texts=evaluation_prompt_texts())
+        print(json.dumps(stats.__dict__))
+        return 0
+    from sglang_hspec.training.regenerate import run_cli as run_regenerate
+
+    return run_regenerate(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_hspec.training.data_cli")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["data", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
