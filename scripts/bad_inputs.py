@@ -36,6 +36,9 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # tests/faults.py: the same fault injection the tests use
+from faults import disk_full_after  # noqa: E402
+
 SHIPPED = ROOT / "sglang_hspec" / "checkpoints" / "hspec-smollm2"
 DOC = ROOT / "docs" / "bad_inputs.md"
 
@@ -253,42 +256,6 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         Row("artifacts", "`build_dataset` (data shards) on a full disk",
             call=functools.partial(full_disk_build_dataset, scratch)),
     ]
-
-
-@contextlib.contextmanager
-def disk_full_after(free_bytes: int):
-    """Every file opened through os.fdopen (the atomic writers' temp files) fails with ENOSPC once
-    `free_bytes` were written in all."""
-    import errno
-
-    real, free = os.fdopen, [free_bytes]
-
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, data):
-            if len(data) > free[0]:
-                self.f.write(data[: free[0]])
-                free[0] = 0
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            free[0] -= len(data)
-            return self.f.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-    os.fdopen = lambda *a, **k: Full(real(*a, **k))
-    try:
-        yield
-    finally:
-        os.fdopen = real
 
 
 def full_disk_save_drafter(scratch: Path) -> None:

@@ -20,6 +20,8 @@ from sglang_hspec.scheduler import planner
 from sglang_hspec.scheduler.policy import AutoPolicy, ExactPolicy, StalePolicy
 from sglang_hspec.scheduler.sps import synthetic_sps_table
 
+from sglang_hspec.target.dtypes import describe_machine as cpu_description
+
 CLOCK = time.perf_counter
 
 
@@ -99,18 +101,6 @@ def bench_one(*, b, k, table, dev, gen, repeats, sync) -> str:
     return (f"{b:>8} {t_exact:>9.1f} {t_stale:>9.1f} {t_auto:>9.1f} {t_auto_off:>9.1f} {t_ref:>10.1f} "
             f"{t_op:>7.1f} {t_sort:>7.1f} {t_auto / t_sort:>9.2f} {t_auto / t_op:>8.1f}")
 
-
-def cpu_description() -> str:
-    model, flags = "unknown CPU", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return f"{model} [{' '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f in flags)}]"
 
 if __name__ == "__main__":
     main()

@@ -30,21 +30,8 @@ from sglang_hspec.engine.drafters import NoDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine
 from sglang_hspec.engine.loading import load_drafter_spec
 from sglang_hspec.engine.policies import make_policy
+from sglang_hspec.target.dtypes import describe_machine as cpu_description
 from sglang_hspec.target.loading import load_target
-
-
-def cpu_description() -> str:
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model} | flags: {' '.join(shown) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}"
 
 
 def load_drafter(spec: str, adapter):

@@ -11,7 +11,6 @@ end in a repetition loop, the CPU model, its flags and the dtype."""
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
@@ -20,23 +19,9 @@ from sglang_hspec.assets.prompts import chat_input_ids, iter_sharegpt
 from sglang_hspec.core.types import SamplingParams
 from sglang_hspec.engine.engine import SpeculativeEngine
 from sglang_hspec.engine.loading import load_drafter_spec
+from sglang_hspec.target.dtypes import describe_machine as cpu_description
 from sglang_hspec.target.loading import load_target
 from sglang_hspec.training.regenerate import repetition_loop
-
-
-def cpu_description() -> str:
-    name, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} [{' '.join(shown) or 'no avx2/avx512/amx flags'}]"
 
 
 def main() -> None:

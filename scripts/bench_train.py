@@ -39,24 +39,12 @@ from pathlib import Path
 
 import torch
 
-from sglang_hspec.target.dtypes import bf16_is_fast, cpu_flags, resolve_dtype
+from sglang_hspec.target.dtypes import bf16_is_fast, cpu_flags, cpu_model, resolve_dtype
 from sglang_hspec.training.config import load_config
 from sglang_hspec.training.trainer import train
 
 BASELINE = ["training.target_probs_once=false", "training.pack_anchors=false"]
 EXACT = ["training.target_probs_once=true", "training.pack_anchors=true"]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:

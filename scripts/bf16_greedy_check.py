@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -35,18 +33,8 @@ from sglang_hspec.engine.engine import SpeculativeEngine  # noqa: E402
 from sglang_hspec.engine.identity import compare_greedy  # noqa: E402
 from sglang_hspec.engine.loading import load_drafter_spec  # noqa: E402
 from sglang_hspec.target.adapter import TargetAdapter, linear_rows_are_batch_invariant  # noqa: E402
-from sglang_hspec.target.dtypes import NATIVE_BF16_CPU_FLAGS, cpu_flags  # noqa: E402
+from sglang_hspec.target.dtypes import NATIVE_BF16_CPU_FLAGS, cpu_flags, cpu_model  # noqa: E402
 from sglang_hspec.target.loading import load_target  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def prompts_for(adapter: TargetAdapter, target: str, dataset: str, limit: int, seed: int) -> list[list[int]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from tqdm import tqdm  # noqa: E402
 
 from sglang_hspec.sglang_plugin.step_timer import ENV as PROFILE_ENV  # noqa: E402
 from sglang_hspec.sglang_plugin.step_timer import snapshot_delta  # noqa: E402
+from sglang_hspec.target.dtypes import describe_machine as cpu_description  # noqa: E402
 
 DRAFTER = REPO / "sglang_hspec" / "checkpoints" / "hspec-smollm2"
 STS = REPO / "docs" / "results" / "sts_hspec_smollm2.json"
@@ -60,20 +60,6 @@ SEGMENTS = (
     ("loop.sglang", "scheduler loop (SGLang)", False),
 )
 OURS_TOP = ("draft", "planner", "loop.prepare", "commit")
-
-
-def cpu_description() -> str:
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(shown) or 'none of avx2/avx512/amx'}"
 
 
 def server_config(name: str, *, sps: Path, sts: Path) -> tuple[list[str], dict[str, str], tuple[str, ...]]:

@@ -182,6 +182,9 @@ def run_side_by_side(engine_by_name: dict, prompts: list[list[int]], sampling, *
             "seconds": t["seconds"],
             "tokens_per_second": tps,
             "speedup": tps / base_tps if base_tps else 0.0,
+            # seconds per step (draft + verify) in plain decode steps: speedup = tau / step_cost
+            "step_cost": ((t["seconds"] / t["steps"]) / (base["seconds"] / base["steps"])
+                          if t["steps"] and base["steps"] and base["seconds"] else 0.0),
             # True only when every output matched token for token; None under sampling
             "identical_to_plain": None if same is None else same.exact,
             "same_as_plain": "n/a (sampling)" if same is None else same.label(),
@@ -191,17 +194,18 @@ def run_side_by_side(engine_by_name: dict, prompts: list[list[int]], sampling, *
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'drafter':<12} {'tau':>6} {'tokens':>7} {'tok/s':>8} {'speedup':>8}  same-as-plain"
+    head = f"{'drafter':<14} {'tau':>5} {'step cost':>9} {'tokens':>6} {'tok/s':>7} {'speedup':>8}  same-as-plain"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['drafter']:<12} {r['tau']:>6.2f} {r['tokens']:>7d} {r['tokens_per_second']:>8.1f} "
-                     f"{r['speedup']:>7.2f}x  {r['same_as_plain']}")
+        lines.append(f"{r['drafter']:<14} {r['tau']:>5.2f} {r.get('step_cost', 0.0):>9.2f} {r['tokens']:>6d} "
+                     f"{r['tokens_per_second']:>7.1f} {r['speedup']:>7.2f}x  {r['same_as_plain']}")
     return "\n".join(lines)
 
 
 def cmd_demo(args) -> int:
     from sglang_hspec.assets.prompts import chat_input_ids, load_prompts
     from sglang_hspec.engine.loading import default_drafter_spec
+    from sglang_hspec.target.dtypes import describe_machine
     from sglang_hspec.target.loading import load_target
 
     spec = args.drafter or default_drafter_spec()
@@ -223,8 +227,9 @@ def cmd_demo(args) -> int:
     rows = run_side_by_side(engines, prompts, sampling, desc="MT-Bench")
     print(f"\nMT-Bench, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.target} target "
           f"({str(adapter.dtype).replace('torch.', '')}{', batch-invariant' if adapter.batch_invariant else ''}), "
-          f"batch 1, temperature {args.temperature}; same-as-plain: outputs identical token for token / "
-          "prompts\n")
+          f"batch 1, temperature {args.temperature}\nmachine: {describe_machine()}\n"
+          "step cost: seconds per speculative step (draft + verify) in plain decode steps, so speedup = tau / "
+          "step cost; same-as-plain: prompts whose outputs are identical token for token\n")
     print(format_table(rows))
     if args.json_out:
         from sglang_hspec.core.atomic import atomic_write_text

@@ -25,13 +25,13 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from sglang_hspec.core.atomic import atomic_write_text
+from sglang_hspec.target.dtypes import cpu_model
 
 from . import sps_profile  # one way: sps_profile never imports this module
 from .speculation_policy import POLICY_ENV, speculation_policy
@@ -75,16 +75,6 @@ def model_identity(path: str | os.PathLike | None) -> str:
     return str(p.resolve()) if p.exists() else str(path)
 
 
-def _cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def device_name(device: str | None, gpu_id: int = 0) -> str:
     """The accelerator's marketing name (`NVIDIA H200`), or `cpu <model name>` on CPU."""
     kind = (device or "").split(":")[0]
@@ -99,7 +89,7 @@ def device_name(device: str | None, gpu_id: int = 0) -> str:
         if kind == "cuda":
             return "cuda unknown"
     if kind in ("", "cpu"):
-        return f"cpu {_cpu_model_name()}"
+        return f"cpu {cpu_model()}"
     return kind
 
 

@@ -31,6 +31,34 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# the flags that decide CPU speed here: which matmul dtypes are native
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":", 1)[0].strip() == "model name":
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def describe_machine() -> str:
+    """One line for every benchmark and results table: CPU model, cores, the speed flags present, torch's
+    CPU capability and threads (the CPU differs between machines: print it, never assume it)."""
+    import os
+
+    shown = [f for f in SPEED_FLAGS if f in cpu_flags()]
+    return (f"{cpu_model()}, {os.cpu_count()} cores, flags: {' '.join(shown) or 'none of ' + '/'.join(SPEED_FLAGS)}, "
+            f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads")
+
+
 @functools.cache
 def bf16_is_fast(device_type: str = "cpu") -> bool:
     if device_type == "cuda":

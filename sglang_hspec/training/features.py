@@ -33,6 +33,7 @@ import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
+from sglang_hspec.core.atomic import atomic_write_bytes
 from sglang_hspec.target.adapter import TargetFeatures
 
 FORMAT = "hspec-target-features/1"
@@ -74,17 +75,6 @@ def bytes_per_token(*, hidden_size: int, num_hidden_ids: int, num_kv_layers: int
     return values * torch.tensor([], dtype=_DTYPES[dtype]).element_size()
 
 
-def _write_atomic_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class FeatureCache:
     """Per-example target features under `root` (see the module docstring)."""
 
@@ -113,7 +103,7 @@ class FeatureCache:
             self.manifest = have  # it may hold more layers than asked for: reads select the ones needed
         else:
             self.shards.mkdir(parents=True, exist_ok=True)
-            self._guard_disk(lambda: _write_atomic_bytes(path, msgspec.json.format(msgspec.json.encode(self.manifest))))
+            self._guard_disk(lambda: atomic_write_bytes(path, msgspec.json.format(msgspec.json.encode(self.manifest))))
         self.shards.mkdir(parents=True, exist_ok=True)
 
     def check_covers(self, *, hidden_layer_ids, kv_layer_ids) -> None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from sglang_hspec.core.atomic import atomic_write_text
 from sglang_hspec.target.dtypes import bf16_is_fast
 from sglang_hspec.training.config import TrainConfig, check_against_target, check_block_size, load_config
 from sglang_hspec.training.data import load_examples, patterned_examples, read_jsonl
@@ -469,18 +470,7 @@ def _clean_output_dir(out: Path, *, keep_log_upto: int) -> None:
             continue
         if isinstance(rec, dict) and int(rec.get("step", 0)) <= keep_log_upto:
             kept.append(line + "\n")
-    _write_text_atomic(log, "".join(kept))
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(log, "".join(kept))
 
 
 def _fsync_tree(root: Path) -> None:

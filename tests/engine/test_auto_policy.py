@@ -27,7 +27,7 @@ from sglang_hspec.scheduler.sps import SpsCostTable, save_sps_table
 
 from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.core.sampling import sampling_probs
-from sglang_hspec.core.types import DraftProposal, SamplingParams
+from sglang_hspec.core.types import SamplingParams
 from sglang_hspec.engine.drafters import NGramDrafter, NoDrafter, RandomDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine
 from sglang_hspec.engine.policies import AutoEngineAdapter, make_policy
@@ -35,38 +35,13 @@ from sglang_hspec.model import HSpecConfig, build_drafter
 from sglang_hspec.target.adapter import TargetAdapter
 from sglang_hspec.target.geometry import TargetGeometry
 
+from ._drafters import OracleDrafter
+
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 # verify is nearly free up to 16 tokens, plain decoding costs what a 1-token verify costs, drafting 1 %
 TABLE = SpsCostTable(sample_batch_tokens=[1, 2, 4, 8, 16, 32], sample_steps_per_sec=[100.0, 99, 98, 97, 96, 40],
                      max_batch_tokens=64, plain_batch_sizes=[1, 4], plain_steps_per_sec=[100.0, 99],
                      draft_seconds=[0.0001, 0.0001])
-
-
-class OracleDrafter:
-    """The target's greedy continuation for `good` slots, then garbage (a drafter worth speculating with)."""
-
-    name = "oracle"
-    target_layer_ids = ()
-    kv_layer_ids = ()
-    sliding_window = 1
-
-    def __init__(self, model, block_size, good):
-        self.model, self.block_size, self.good = model, block_size, good
-
-    def propose(self, ctx, sampling, generator=None):
-        rows = []
-        for hist, anchor in zip(ctx.token_history, ctx.anchor_tokens.tolist()):
-            ids = torch.tensor([hist + [anchor]])
-            cont = []
-            for _ in range(self.good):
-                nxt = self.model(ids).logits[0, -1].argmax()
-                cont.append(int(nxt))
-                ids = torch.cat([ids, nxt.view(1, 1)], 1)
-            rows.append(cont + [0] * (self.block_size - self.good))
-        return DraftProposal(tokens=torch.tensor(rows))
-
-    def reset(self):
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
 """Checkpoint round trip, validation against the target, draft vocabulary."""
 
 import dataclasses
-import errno
 import json
-import os
 
 import pytest
 import torch
+from faults import disk_full_after
 
 from sglang_hspec.core.atomic import ArtifactWriteError
 from sglang_hspec.model import KINDS, build_draft_vocab, load_drafter, save_drafter
@@ -150,31 +149,6 @@ def test_invalid_config_fields_name_the_file(tmp_path, target, damage, message):
 # ------------------------------------------------------------------ crash safety
 
 
-class _DiskFullAfter:
-    """A file object that writes while the disk has room (`free[0]` bytes, shared by every file opened),
-    then fails the way a full disk does, after writing what fitted."""
-
-    def __init__(self, inner, free):
-        self.inner, self.free = inner, free
-
-    def write(self, data):
-        if len(data) > self.free[0]:
-            self.inner.write(data[: self.free[0]])
-            self.free[0] = 0
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.free[0] -= len(data)
-        return self.inner.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.inner.__exit__(*exc)
-
-
 @pytest.mark.parametrize("where", ["first-byte", "mid-weights", "config"])
 def test_save_drafter_on_a_full_disk_keeps_the_previous_checkpoint(tmp_path, target, monkeypatch, where):
     """ENOSPC mid-write (in the weights, or in the config after the weights were written): a clear error
@@ -183,14 +157,11 @@ def test_save_drafter_on_a_full_disk_keeps_the_previous_checkpoint(tmp_path, tar
     save_drafter(old_model, tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     weights = len(before["model.safetensors"])  # the new weights have the same size: same architecture
-    free = [{"first-byte": 0, "mid-weights": weights // 2, "config": weights + 100}[where]]
-    real_fdopen = os.fdopen
-    monkeypatch.setattr(os, "fdopen", lambda *a, **k: _DiskFullAfter(real_fdopen(*a, **k), free))
+    free = {"first-byte": 0, "mid-weights": weights // 2, "config": weights + 100}[where]
     failing = "config.json" if where == "config" else "model.safetensors"
-    with pytest.raises(ArtifactWriteError, match=rf"could not write {tmp_path / failing}: "
-                                                 "No space left on device; the disk may be full. The previous"):
+    with disk_full_after(free), pytest.raises(ArtifactWriteError, match=rf"could not write {tmp_path / failing}: "
+                                              "No space left on device; the disk may be full. The previous"):
         save_drafter(make_drafter("hspec", target, seed=2), tmp_path)
-    monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     loaded = load_drafter(tmp_path, TargetGeometry.from_hf_config(target.config), target.model.embed_tokens,
                           target.lm_head, dtype=torch.float64)

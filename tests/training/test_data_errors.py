@@ -1,11 +1,10 @@
 """Bad training data is answered with the file, the line, the problem and the fix; data shards are
 written atomically (a full disk keeps the previous shards)."""
 
-import errno
 import json
-import os
 
 import pytest
+from faults import disk_full_after
 
 from sglang_hspec.cli import main
 from sglang_hspec.core.atomic import ArtifactWriteError
@@ -91,34 +90,9 @@ def test_build_dataset_on_a_full_disk_keeps_the_previous_shards(tmp_path, monkey
     build_dataset(records=_records(30), out_dir=tmp_path, heldout_fraction=0.2)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert before["train.jsonl"] and set(before) == {"train.jsonl", "heldout.jsonl", "build_stats.json"}
-    real_fdopen = os.fdopen
-    free = [3000]  # room for part of the new train shard
-
-    class DiskFull:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def write(self, data):
-            if len(data) > free[0]:
-                self.inner.write(data[: free[0]])
-                free[0] = 0
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            free[0] -= len(data)
-            return self.inner.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-    monkeypatch.setattr(os, "fdopen", lambda *a, **k: DiskFull(real_fdopen(*a, **k)))
-    with pytest.raises(ArtifactWriteError, match=rf"^could not write {tmp_path}/(train|heldout)\.jsonl: No space "
-                                                 "left on device; the disk may be full"):
+    with disk_full_after(3000), pytest.raises(  # room for part of the new train shard
+            ArtifactWriteError, match=rf"^could not write {tmp_path}/(train|heldout)\.jsonl: No space left on "
+                                      "device; the disk may be full"):
         build_dataset(records=_records(300), out_dir=tmp_path, heldout_fraction=0.2)
-    monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file left either
     assert json.loads(before["build_stats.json"])["read"] == 30
