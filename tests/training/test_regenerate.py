@@ -238,7 +238,7 @@ def test_sigkill_mid_run_then_restart_equals_one_uninterrupted_run(tmp_path, tin
                 "--batch-size", "2", "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "3"]
 
     def command(out):
-        return [sys.executable, "-m", "sglang_hspec.training.data", *args(out)]
+        return [sys.executable, "-m", "sglang_hspec.training.data_cli", *args(out)]
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(command(killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
