@@ -118,7 +118,7 @@ def test_drafter_whose_geometry_differs_in_one_field(ckpts, tmp_path):
                                  log=tmp_path / "launch.log")
     assert_stopped_at_argument_resolution(rc, out)
     line = last_line(out)
-    details = line.split("drafter checkpoint does not match the target: ", 1)[1]
+    details = line.split("does not match the target: ", 1)[1]
     # exactly the one field, with both values, then the fix
     assert details == ("target.num_key_value_heads: checkpoint 4 vs target 2. "
                        "Load the drafter trained for this target (or retrain it)."), line
