@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 from tqdm import tqdm
+
+from sglang_hspec.core.atomic import atomic_write_text
 
 from .client import AsyncHSpecClient, checked_base_url
 from .errors import HSpecClientError, InvalidArgumentError, ServerUnavailableError
@@ -439,9 +440,7 @@ def run_serve(args: argparse.Namespace) -> int:
     }
     json_path, png_path = args.out / "bench_serve.json", args.out / "bench_serve.png"
     # Atomic: a reader never sees half a report, and an interrupted run keeps the previous one.
-    tmp_path = json_path.with_suffix(".json.tmp")
-    tmp_path.write_text(json.dumps(report, indent=2, allow_nan=False))
-    os.replace(tmp_path, json_path)
+    atomic_write_text(json_path, json.dumps(report, indent=2, allow_nan=False))
     plot(summaries, png_path)
     print(f"wrote {json_path} and {png_path}")
     return 0

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from functools import wraps
 from pathlib import Path
+
+from sglang_hspec.core.atomic import atomic_write_text
 
 ENV = "HSPEC_STEP_PROFILE"
 STEP_KINDS = ("draft", "plain")
@@ -116,11 +117,7 @@ class StepTimer:
                 "seconds": {kind: dict(values) for kind, values in self.totals.items()}}
 
     def dump(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(self.snapshot(), fh)
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(self.snapshot()))
 
 
 def snapshot_delta(after: dict, before: dict | None) -> dict:

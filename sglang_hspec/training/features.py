@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import msgspec
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from sglang_hspec.core.atomic import atomic_write_bytes
 from sglang_hspec.target.adapter import TargetFeatures
@@ -144,17 +142,7 @@ class FeatureCache:
         tensors = {n: t.detach().to(device="cpu", dtype=self.dtype).contiguous() for n, t in tensors.items()}
         path = self._path(key)
 
-        def write():
-            fd, tmp = tempfile.mkstemp(dir=self.shards, prefix=f".{key}.")
-            os.close(fd)
-            try:
-                save_file(tensors, tmp)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-
-        self._guard_disk(write)
+        self._guard_disk(lambda: atomic_write_bytes(path, save(tensors)))
         self.bytes_written += path.stat().st_size
 
     def load_batch(self, keys: list[str], *, length: int, dtype: torch.dtype, device, hidden_layer_ids=None,

@@ -32,8 +32,6 @@ import dataclasses
 import fcntl
 import hashlib
 import json
-import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -44,6 +42,7 @@ from typing import Any
 import msgspec
 from tqdm import tqdm
 
+from sglang_hspec.core.atomic import atomic_open
 from sglang_hspec.core.types import SamplingParams
 from sglang_hspec.training.data import _norm_text, in_heldout, normalize_conversation, read_jsonl
 
@@ -101,17 +100,9 @@ def repetition_loop(token_ids: Sequence[int], *, max_period: int = 64, min_repea
 
 # ------------------------------------------------------------------ shards
 def _write_atomic(path: Path, lines: Iterable[str]) -> None:
-    """Temp file in the same directory, fsync, rename: a reader (or a restart) sees all of it or none."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """All lines or none: a reader (or a restart) never sees part of a shard (core/atomic.py)."""
+    with atomic_open(path, "w") as f:
+        f.writelines(lines)
 
 
 def _committed_shards(shard_dir: Path) -> list[tuple[int, Path, Path]]:

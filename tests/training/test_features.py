@@ -103,18 +103,10 @@ def test_one_cache_serves_every_kind_of_the_recipe(tmp_path, count_target_forwar
 
 
 def test_full_disk_while_caching_is_a_clear_error_and_leaves_no_partial_shard(tmp_path, monkeypatch):
-    import errno
-
-    from sglang_hspec.training import features
+    from faults import disk_full_after
 
     cache = FeatureCache(tmp_path, target_fingerprint="t", hidden_layer_ids=[0], kv_layer_ids=[], dtype="fp32")
-
-    def full_disk(tensors, path, *a, **k):
-        Path(path).write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(features, "save_file", full_disk)
-    with pytest.raises(OSError, match=r"no space left on device writing the target-feature cache .*"
-                                      r"feature_cache_dtype=bf16"):
+    with disk_full_after(7), pytest.raises(  # 7 bytes of the shard fit, then ENOSPC
+            OSError, match=r"no space left on device writing the target-feature cache .*feature_cache_dtype=bf16"):
         cache.put("k", hidden=torch.zeros(2, 1, 4), kv={}, final_hidden=torch.zeros(2, 4))
     assert not cache.has("k") and list((tmp_path / "shards").iterdir()) == []
