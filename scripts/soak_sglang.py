@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +30,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the summary JSON here")
     args = ap.parse_args()
-    print(f"CPU: {platform.processor() or platform.machine()}; float32; tiny Qwen3 target, bigram H-Spec drafter")
+    from sglang_hspec.core.atomic import atomic_write_text
+    from sglang_hspec.target.dtypes import describe_machine
+
+    machine = describe_machine()
+    print(f"machine: {machine}; float32; tiny Qwen3 target, bigram H-Spec drafter")
     root = Path(tempfile.mkdtemp(prefix="hspec_soak_"))
     target = builders.build_tiny_target(root / "target")
     drafter = builders.build_hspec_draft(root / "hspec_bigram", target, bigram=True)
@@ -48,15 +51,15 @@ def main() -> int:
         stats = load.soak(srv.url, prompts=prompts, reference=reference, duration_s=60 * args.minutes,
                           concurrency=args.concurrency, max_new_tokens=(1, 64), abort_fraction=args.abort_fraction,
                           seed=args.seed, server_pid=srv.proc.pid)
-        stats["tracebacks_in_log"] = srv.log().count("Traceback")
+        stats["tracebacks_in_log"] = srv.serving_log().count("Traceback")  # once ready (see Server.serving_log)
     finally:
         srv.stop()
     stats.update(minutes=args.minutes, concurrency=args.concurrency, abort_fraction=args.abort_fraction,
-                 max_total_tokens=args.max_total_tokens)
+                 max_total_tokens=args.max_total_tokens, machine=machine, dtype="float32")
     print(json.dumps(stats, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(stats, indent=2) + "\n")
+        atomic_write_text(args.out, json.dumps(stats, indent=2) + "\n")
     ok = stats["failed"] == 0 and stats["mismatched"] == 0 and stats["kv_tokens_leaked"] == 0
     return 0 if ok and stats["tracebacks_in_log"] == 0 else 1
 

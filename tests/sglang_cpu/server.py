@@ -60,6 +60,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
 @dataclass
 class Server:
     proc: subprocess.Popen
@@ -74,6 +75,14 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def serving_log(self) -> str:
+        """What the server logged once ready ("fired up and ready to roll"). Before that line SGLang may log
+        one benign traceback of its own: the post-warmup /freeze_gc request can race the HTTP listener on a
+        loaded machine ("post-warmup freeze_gc failed"), which says nothing about serving."""
+        log = self.log()
+        ready = log.find(READY_LINE)
+        return log[ready:] if ready >= 0 else log
 
     def get(self, path: str, timeout: float = 60.0) -> dict | list:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:

@@ -43,7 +43,7 @@ def test_three_times_the_kv_pool_queues_and_matches_one_by_one(loaded):
     assert result["outputs"] == [golden[i][:m] for i, m in zip(idx, lengths)]
     drained = load.wait_drained(srv.url)
     assert drained == {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0}, drained
-    assert "Traceback" not in srv.log()
+    assert "Traceback" not in srv.serving_log()
 
 
 def test_short_soak_with_aborts_leaks_nothing(loaded):
@@ -56,4 +56,4 @@ def test_short_soak_with_aborts_leaks_nothing(loaded):
     assert stats["failed"] == 0 and stats["mismatched"] == 0, stats["errors"]
     assert stats["completed"] >= 10 and stats["aborted"] + stats["completed"] <= stats["requests"]
     assert stats["kv_tokens_leaked"] == 0 and stats["left_running"] == 0, stats
-    assert "Traceback" not in srv.log()
+    assert "Traceback" not in srv.serving_log()
