@@ -16,7 +16,8 @@ accepted drafts) and that the tokens follow the target exactly:
   over 20 equal bins (alpha 1e-3), pooled over tokens 1-11 and for each token on its own;
 - the power of the pooled test is computed exactly (noncentral chi-square from the bin probabilities that
   a wrong rule gives, on the same prefixes) for one wrong rule: decode tokens drawn at temperature 0.2
-  instead of 0.1. It must exceed 0.99.
+  instead of 0.1. It must exceed 0.99, and the same samples read through that rule's conditionals must
+  fail the test (a test of the test).
 """
 
 from __future__ import annotations
@@ -146,6 +147,12 @@ def test_drafting_steps_sample_the_target_distribution(tiny_checkpoints, always_
     power = float(stats.ncx2.sf(stats.chi2.isf(ALPHA, BINS - 1), BINS - 1, noncentrality))
     print(f"power at alpha={ALPHA} against temperature {WRONG_TEMPERATURE}: {power:.4f}")
     assert power > 0.99, "the test would not catch a wrong temperature: raise SAMPLES"
+    # and the test of the test on these very samples: read through the wrong rule's conditionals, they fail
+    wrong_u = torch.stack([_randomised_pit(wrong[:, j], outputs[:, j + 1], generator)
+                           for j in range(OUTPUT_TOKENS - 1)], 1)
+    wrong_chi2, wrong_p = _chi2_uniform(wrong_u.flatten())
+    print(f"the same samples against temperature {WRONG_TEMPERATURE}: chi2={wrong_chi2:.1f} p={wrong_p:.3g}")
+    assert wrong_p < ALPHA, (wrong_chi2, wrong_p)
 
     assert p_value > ALPHA, (chi2, p_value)
     assert all(p > ALPHA for _, p in per_token), per_token
