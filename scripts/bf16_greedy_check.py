@@ -10,7 +10,7 @@ row the same bits whatever the number of rows (`linear_rows_are_batch_invariant`
     .venv/bin/python scripts/bf16_greedy_check.py                          # 8 MT-Bench prompts x 64 tokens
     .venv/bin/python scripts/bf16_greedy_check.py --target tiny --drafter ngram --limit 4 --max-new-tokens 16
 
-On an AVX2-only CPU bf16 is emulated (~50x slower than fp32): the embedded run takes tens of minutes.
+On an AVX2-only CPU bf16 is emulated: the embedded run took 12 min per mode on one thread of a 2-core AMD EPYC.
 """
 
 from __future__ import annotations
