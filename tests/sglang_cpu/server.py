@@ -60,7 +60,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 @dataclass
 class Server:
     proc: subprocess.Popen

@@ -72,12 +72,18 @@ def _conditionals(target_dir, prompt: str, outputs: torch.Tensor, temperature: f
     return torch.softmax(logits / temperature, -1)
 
 
+def _pit_intervals(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens ordered by probability (ties by id): the order, their probabilities and the start of each
+    token's interval [lo, lo + p) in PIT space."""
+    order = torch.argsort(probs, -1, descending=True)
+    p_sorted = torch.gather(probs, -1, order)
+    return order, p_sorted, torch.cumsum(p_sorted, -1) - p_sorted
+
+
 def _pit_bin_probabilities(probs: torch.Tensor, true_probs: torch.Tensor) -> torch.Tensor:
     """[n, BINS]: the chance that the randomised PIT of a token lands in each bin when the token is drawn
     from `probs` [n, vocab] but transformed through `true_probs` [n, vocab] (both rows per sample)."""
-    order = torch.argsort(true_probs, -1, descending=True)
-    p_sorted = torch.gather(true_probs, -1, order)
-    lo = torch.cumsum(p_sorted, -1) - p_sorted  # interval [lo, lo + p) of each token in PIT space
+    order, p_sorted, lo = _pit_intervals(true_probs)
     q_sorted = torch.gather(probs, -1, order)
     edges = torch.linspace(0, 1, BINS + 1, dtype=torch.float64)
     out = torch.zeros(probs.shape[0], BINS, dtype=torch.float64)
@@ -89,10 +95,8 @@ def _pit_bin_probabilities(probs: torch.Tensor, true_probs: torch.Tensor) -> tor
 
 def _randomised_pit(probs: torch.Tensor, tokens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """u = F(t-) + V * P(t) with tokens ordered by probability (ties by id), V ~ U(0, 1)."""
-    order = torch.argsort(probs, -1, descending=True)
+    order, _, below = _pit_intervals(probs)
     rank = torch.argsort(order, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    p_sorted = torch.gather(probs, -1, order)
-    below = torch.cumsum(p_sorted, -1) - p_sorted
     p_token = probs.gather(-1, tokens[:, None]).squeeze(-1)
     v = torch.rand(tokens.shape, generator=generator, dtype=torch.float64)
     return below.gather(-1, rank[:, None]).squeeze(-1) + v * p_token
