@@ -140,20 +140,34 @@ def topk_lengths(*, survival: torch.Tensor, budget: int, min_survival: float = 0
 
 
 def _topk_lengths_numpy(survival: np.ndarray, budget: int, min_survival: float) -> np.ndarray:
-    """topk_lengths without a sort: the budget-th largest value by selection, then the ties at it
-    taken in the shared order (slot-major flat index = earlier slot, then lower request)."""
-    num_reqs = survival.shape[0]
-    flat = survival.T.ravel()  # slot-major: m = j * B + r
-    admissible = flat >= min_survival  # NaN fails too
-    count = int(np.count_nonzero(admissible))
-    if budget >= count:
-        chosen = admissible
+    """topk_lengths without a sort, on a [B, k] array."""
+    return topk_lengths_slot_major(survival.T.ravel(), num_reqs=survival.shape[0], budget=budget,
+                                   min_survival=min_survival)
+
+
+def topk_lengths_slot_major(
+    flat: np.ndarray, *, num_reqs: int, budget: int, min_survival: float, all_admissible: bool = False
+) -> np.ndarray:
+    """topk_lengths on the slot-major flattening (m = j * B + r) of float64 survivals: the budget-th
+    largest value by selection, then the ties at it taken in the shared order (earlier slot, then
+    lower request). `all_admissible`: the caller guarantees every value is >= min_survival (no NaN)."""
+    if all_admissible:
+        admissible, count = None, flat.size
     else:
-        values = np.where(admissible, flat, -np.inf)
+        admissible = flat >= min_survival  # NaN fails too
+        count = int(np.count_nonzero(admissible))
+    if budget <= 0 or not flat.size:
+        return np.zeros(num_reqs, dtype=np.int64)
+    if budget >= count:
+        chosen = np.ones(flat.size, dtype=bool) if admissible is None else admissible
+    else:
+        values = flat if admissible is None else np.where(admissible, flat, -np.inf)
         threshold = np.partition(values, values.size - budget)[values.size - budget]
-        chosen = values > threshold
-        ties = np.flatnonzero(values == threshold)[: budget - int(np.count_nonzero(chosen))]
-        chosen[ties] = True
+        chosen = values >= threshold
+        if int(np.count_nonzero(chosen)) != budget:  # ties at the threshold: the first ones in the order
+            chosen = values > threshold
+            ties = np.flatnonzero(values == threshold)[: budget - int(np.count_nonzero(chosen))]
+            chosen[ties] = True
     return chosen.reshape(-1, num_reqs).sum(axis=0, dtype=np.int64)
 
 

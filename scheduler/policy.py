@@ -31,6 +31,35 @@ logger = logging.getLogger(__name__)
 _NEVER = -(2**62)  # 'step' of a draft that never happened
 
 
+def _cumprod_rows(values: np.ndarray) -> None:
+    """In-place cumulative product down the rows of a [k, B] array (k contiguous multiplies: faster
+    than np.cumprod along a short axis)."""
+    for j in range(1, values.shape[0]):
+        np.multiply(values[j - 1], values[j], out=values[j])
+
+
+def _estimated_survival_slot_major(confidences: np.ndarray, *, known: np.ndarray, num_known: int,
+                                   ratios: np.ndarray) -> np.ndarray:
+    """switch.estimated_survival_numpy on a [k, N] copy (overwritten and returned), same values."""
+    corrected = np.multiply(confidences, ratios[:, None], out=confidences)
+    np.minimum(corrected, 1.0, out=corrected)  # >= 0 already: confidences in [0, 1], ratios > 0
+    if num_known < known.size:
+        corrected[:, ~known] = (corrected[:, known].sum(1) / num_known if num_known
+                                else np.clip(ratios, 0.0, 1.0))[:, None]
+    _cumprod_rows(corrected)
+    return corrected
+
+
+def _audit_counts_slot_major(confidences: np.ndarray, *, verify_lengths: np.ndarray, num_accepted: np.ndarray):
+    """switch.audit_counts on a float64 [k, B] array and int arrays: (accepted [k], predicted [k])."""
+    k = confidences.shape[0]
+    slot = np.arange(k)[:, None]
+    attempted = slot < np.minimum(verify_lengths, num_accepted + 1)[None, :]
+    accepted = (attempted & (slot < num_accepted[None, :])).sum(1, dtype=np.float64)
+    predicted = np.where(attempted, confidences, 0.0).sum(1)
+    return accepted, predicted
+
+
 class PolicyStats(msgspec.Struct, frozen=True):
     policy: str
     steps: int
@@ -256,7 +285,7 @@ class AutoPolicy(_SpsPolicy):
         self.last_decision: switch.SpeculationDecision | None = None
         self._k: int | None = None
         # host state, numpy (the decision runs every step: one numpy op costs ~1 us, a torch op several)
-        self._conf = np.zeros((0, 0))  # [slots, k] last matured confidences
+        self._conf = np.zeros((0, 0))  # [k, slots] last matured confidences (slot-major: contiguous per slot j)
         self._gen = np.full(0, -1, dtype=np.int64)  # generation those belong to (-1: none)
         self._drafted_at = np.full(0, _NEVER, dtype=np.int64)  # step of the slot's last draft
         self._pending: deque = deque()  # (step, slot_ids, generations, confidences), not yet matured
@@ -269,13 +298,15 @@ class AutoPolicy(_SpsPolicy):
         self._probes = self._spec_steps = 0
         self._clock = 0  # steps decided so far (decide() owns it)
         self._all_rows = torch.arange(64)  # 0..n-1 for a step that drafts every row, sliced (no new tensor)
+        self._rows_cache: dict[int, torch.Tensor] = {}
+        self._planned: tuple[torch.Tensor, np.ndarray] | None = None  # plan()'s input and its [k, B] host copy
 
     # ---- state ---------------------------------------------------------------------------------
 
     def _ensure(self, *, slots: int, k: int | None) -> None:
         if k is not None and self._k is None:
             self._k = k
-            self._conf = np.zeros((self._conf.shape[0], k))
+            self._conf = np.zeros((k, self._conf.shape[1]))
             self._accepted, self._predicted = np.zeros(k), np.zeros(k)
             self._ratios = np.ones(k)
         elif k is not None and k != self._k:
@@ -283,8 +314,8 @@ class AutoPolicy(_SpsPolicy):
         have = self._gen.shape[0]
         if slots > have:
             size = max(slots, 2 * have, 64)
-            conf = np.zeros((size, self._k or 0))
-            conf[:have] = self._conf
+            conf = np.zeros((self._k or 0, size))
+            conf[:, :have] = self._conf
             gen = np.full(size, -1, dtype=np.int64)
             gen[:have] = self._gen
             drafted = np.full(size, _NEVER, dtype=np.int64)
@@ -293,11 +324,11 @@ class AutoPolicy(_SpsPolicy):
 
     def _mature(self, step: int) -> None:
         while self._pending and self._pending[0][0] <= step - self.lag:
-            _, slots, gens, conf = self._pending.popleft()
-            self._conf[slots] = conf
+            _, slots, gens, conf = self._pending.popleft()  # conf [k, rows]
+            self._conf[:, slots] = conf
             self._gen[slots] = gens
             if conf.size:  # running per-slot mean: the estimate for a batch of requests never drafted
-                mean = conf.mean(0)
+                mean = conf.sum(1) * (1.0 / conf.shape[1])
                 self._prior = mean if self._prior is None else 0.9 * self._prior + 0.1 * mean
         changed = False
         while self._pending_audit and self._pending_audit[0][0] <= step - self.lag:
@@ -333,7 +364,7 @@ class AutoPolicy(_SpsPolicy):
         self._clock += 1
         self._ensure(slots=int(s.max()) + 1 if n else 0, k=None)
         self._mature(step)
-        known = self._gen[s] == g
+        known = self._gen.take(s) == g
         num_known = int(np.count_nonzero(known))
         num_known_estimates = 0
         if self._k is None:  # nothing drafted yet: survivals are unknown, width irrelevant
@@ -344,7 +375,8 @@ class AutoPolicy(_SpsPolicy):
                                                        known=np.ones(n, dtype=bool), ratios=self._ratios)
             num_known_estimates = n
         else:
-            survival = switch.estimated_survival_numpy(confidences=self._conf[s], known=known, ratios=self._ratios)
+            survival = _estimated_survival_slot_major(self._conf.take(s, axis=1), known=known, num_known=num_known,
+                                                      ratios=self._ratios).T  # [N, k] view
         decision = switch.decide_speculation_numpy(
             survival=survival, costs=self.costs, known_rows=max(num_known, num_known_estimates),
             steps_since_draft=step - self._last_draft_step, probe_interval=self.probe_interval,
@@ -355,11 +387,9 @@ class AutoPolicy(_SpsPolicy):
             age = step - np.where(known, self._drafted_at[s], _NEVER)
             rows = torch.from_numpy(np.sort(np.argsort(-age, kind="stable")[: decision.draft_rows]))
         elif decision.speculate:
-            if self._all_rows.numel() < n:
-                self._all_rows = torch.arange(max(n, 2 * self._all_rows.numel()))
-            rows = self._all_rows[:n]
+            rows = self._rows_upto(n)
         else:
-            rows = self._all_rows[:0]
+            rows = self._rows_upto(0)
         if decision.speculate:
             self._last_draft_step = step
             self._probes += decision.probe
@@ -371,6 +401,16 @@ class AutoPolicy(_SpsPolicy):
         self._unknown += n - num_known
         return decision, rows
 
+    def _rows_upto(self, n: int) -> torch.Tensor:
+        """torch.arange(n), from a cache (a torch slice costs as much as the rest of a numpy step)."""
+        if n not in self._rows_cache:
+            if self._all_rows.numel() < n:
+                self._all_rows = torch.arange(max(n, 2 * self._all_rows.numel()))
+            if len(self._rows_cache) > 64:
+                self._rows_cache.clear()
+            self._rows_cache[n] = self._all_rows[:n]
+        return self._rows_cache[n]
+
     def plan(self, *, confidences: torch.Tensor, slot_ids: torch.Tensor, generations: torch.Tensor):
         """Lengths for the drafted rows of the step `decide` just planned."""
         if confidences.dim() != 2:
@@ -380,7 +420,8 @@ class AutoPolicy(_SpsPolicy):
         decision = self.last_decision
         if decision is None or not decision.speculate:
             raise ValueError("AutoPolicy.plan: call decide() first, and draft only when it says speculate")
-        conf = confidences.detach().cpu().numpy().astype(np.float64)  # a copy: the pending snapshot owns it
+        # [k, B] float64, a copy: the pending snapshot owns it
+        conf = np.array(confidences.detach().cpu().numpy().T, dtype=np.float64, order="C")
         if conf.size and not (conf.min() >= 0.0 and conf.max() <= 1.0):  # NaN fails too
             raise ValueError("confidences must be calibrated probabilities in [0, 1] (apply sigmoid/STS to the raw "
                              "confidence logits first); got values outside [0, 1] or NaN")
@@ -388,24 +429,36 @@ class AutoPolicy(_SpsPolicy):
         step = self._clock - 1
         self._pending.append((step, s.copy(), g.copy(), conf))
         self._drafted_at[s] = step
-        current = np.cumprod(np.minimum(conf * self._ratios, 1.0), axis=1)
-        lengths = planner._topk_lengths_numpy(current, decision.budget, 0.0) if decision.budget > 0 and b and k \
-            else np.zeros(b, dtype=np.int64)
+        self._planned = (confidences, conf)
+        if decision.budget > 0 and b and k:
+            current = np.minimum(conf * self._ratios[:, None], 1.0)
+            _cumprod_rows(current)
+            lengths = planner.topk_lengths_slot_major(current.ravel(), num_reqs=b, budget=decision.budget,
+                                                      min_survival=0.0, all_admissible=True)
+        else:
+            lengths = np.zeros(b, dtype=np.int64)
         if decision.probe and k:  # a probe verifies at least one draft per drafted row (feeds the audit)
             np.maximum(lengths, 1, out=lengths)
         self._steps += 1
         self._last = int(lengths.sum())
         self._total += self._last
-        return torch.from_numpy(lengths).to(confidences.device)
+        lengths = torch.from_numpy(lengths)
+        return lengths if confidences.device.type == "cpu" else lengths.to(confidences.device)
 
     def observe(self, *, slot_ids: torch.Tensor, generations: torch.Tensor, confidences: torch.Tensor,
                 verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Outcomes of the rows `plan` just planned (confidences as passed to plan)."""
         if confidences.shape[0] == 0:
             return
-        acc, pred = switch.audit_counts(confidences=confidences.detach().cpu(), verify_lengths=verify_lengths.cpu(),
-                                        num_accepted=num_accepted.cpu())
-        self._pending_audit.append((self._clock - 1, acc.numpy(), pred.numpy()))
+        planned = self._planned
+        if planned is not None and planned[0] is confidences:  # plan's host copy, [k, B]
+            acc, pred = _audit_counts_slot_major(planned[1], verify_lengths=verify_lengths.cpu().numpy(),
+                                                 num_accepted=num_accepted.cpu().numpy())
+        else:
+            acc, pred = (t.numpy() for t in switch.audit_counts(
+                confidences=confidences.detach().cpu(), verify_lengths=verify_lengths.cpu(),
+                num_accepted=num_accepted.cpu()))
+        self._pending_audit.append((self._clock - 1, acc, pred))
 
     def stats(self) -> PolicyStats:
         return msgspec.structs.replace(super().stats(), speculative_steps=self._spec_steps, probes=self._probes)

@@ -150,7 +150,7 @@ def decide_speculation_numpy(
     plain_rate = num_reqs * costs.plain_steps_per_sec(num_reqs)
     best_n, best_rate = 0, 0.0
     if known_rows > 0 and survival.shape[1] > 0:
-        values = survival.ravel()
+        values = survival.ravel(order="K")  # memory order: no copy for a transposed view
         values = values[values >= min_survival]  # drops NaN too
         # tau(n) = N + a_1 + ... + a_n summed left to right, exactly as the reference does
         tau = np.empty(values.size + 1)

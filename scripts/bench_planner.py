@@ -2,7 +2,8 @@
 
 Prints, side by side in one run: the exact planner, the stale policy's full plan call (ring-buffer
 lookup + argmax budget + top-K), the auto policy's whole per-step decision while it speculates
-(`decide`: estimates, speculate-or-decode switch and budget; then `plan`: top-K lengths) and while it
+(`decide`: estimates, speculate-or-decode switch and budget; `plan`: top-K lengths; `observe`: the
+acceptance audit) and while it
 decodes plainly (`decide` alone), the plain-Python reference, and two yardsticks measured alongside
 (one elementwise torch op, one torch.sort of the B*k survivals) so numbers from a loaded machine can
 be read as ratios. The CPU model and flags are printed. Target: auto <= 50 us at 256 requests.
@@ -80,10 +81,14 @@ def bench_one(*, b, k, table, dev, gen, repeats, sync) -> str:
         cheap = synthetic_sps_table(tiers=tuple(2**i for i in range(4, 14)), seconds_per_token=1.0)
         off = AutoPolicy(cheap, probe_interval=2**20, max_probe_interval=2**20)  # verifying never pays
 
-        def auto_step(policy):
+        def auto_step(policy):  # the whole per-step policy work: decide, plan, and the audit's observe
             decision, rows = policy.decide(slot_ids=ids, generations=gens)
             if decision.speculate:
-                policy.plan(confidences=conf[rows], slot_ids=ids[rows], generations=gens[rows])
+                every = rows.numel() == b  # engines pass the batch's own tensors when every row drafts
+                c, s, g = (conf, ids, gens) if every else (conf[rows], ids[rows], gens[rows])
+                lengths = policy.plan(confidences=c, slot_ids=s, generations=g)
+                policy.observe(slot_ids=s, generations=g, confidences=c, verify_lengths=lengths,
+                               num_accepted=lengths)
 
         for policy in (auto, off):
             for _ in range(4):  # past the cold probe and the lag

@@ -178,7 +178,7 @@ class SpeculationSwitch:
     the verify lengths; its confidences reach the planner through SGLang's relay like any step's."""
 
     def __init__(self, *, policy: str, costs, block_size: int, req_pool_size: int, min_survival: float,
-                 margin: float = 0.05, initial_probe_interval: int = 4, max_probe_interval: int = 64):
+                 margin: float = 0.05, initial_probe_interval: int = 4, max_probe_interval: int = 256):
         if policy not in POLICIES:
             raise ValueError(f"unknown speculation policy {policy!r}; use one of {', '.join(POLICIES)}")
         if policy == "auto" and costs is None:
