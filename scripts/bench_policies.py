@@ -2,9 +2,10 @@
 
 For each batch size B (concurrent requests), each drafter and each policy (fixed, exact, stale, auto),
 generate the same MT-Bench prompts and report throughput (tokens/s over the batch), its ratio to plain
-decoding of the same batch in the same run, tau, drafted steps and verified draft tokens per step. The
-greedy outputs are checked against plain decoding. The CPU model, its flags (avx2 / avx512_bf16 / amx),
-torch threads and dtype are printed with the table. Drafters: `shipped`, a checkpoint directory, `random`
+decoding of the same batch in the same round (median over `--repeats` interleaved rounds, with its
+range), tau, drafted steps and verified draft tokens per step. The greedy outputs are checked against
+plain decoding. The CPU model, its flags (avx2 / avx512_bf16 / amx), torch threads and dtype are printed
+with the table. Drafters: `shipped`, a checkpoint directory, `random`
 (the shipped architecture, untrained: matrices re-drawn N(0, 0.02), confidence head included) or `ngram`.
 
 The SPS table: `--sps-table sps.json` (from `hspec profile-sps`, with the plain-decode and drafter columns
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -65,6 +67,28 @@ def profile_table(args, out: Path) -> str:
     return str(out)
 
 
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per (batch, drafter, policy): medians over the rounds (x_plain: of the per-round ratios),
+    the ratio's range, and whether every round's greedy outputs matched plain decoding."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["batch"], r["drafter"], r["policy"]), []).append(r)
+    out = []
+    for (b, spec, name), rs in groups.items():
+        ratios = [r["x_plain"] for r in rs]
+        same = [r["same_as_plain"] for r in rs]
+        out.append({
+            "batch": b, "drafter": spec, "policy": name, "rounds": len(rs),
+            "throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in rs),
+            "x_plain": statistics.median(ratios), "x_plain_min": min(ratios), "x_plain_max": max(ratios),
+            "tau": statistics.median(r["tau"] for r in rs), "steps": rs[0]["steps"],
+            "drafted_steps": rs[0]["drafted_steps"],
+            "verified_drafts_per_step": statistics.median(r["verified_drafts_per_step"] for r in rs),
+            "same_as_plain": None if same[0] is None else all(same),
+        })
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="embedded")
@@ -79,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 on a shared box)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds per batch size: every configuration once per round, in turn, so drift hits all "
+                         "alike; a ratio is the median over rounds of throughput / plain's in the same round")
     ap.add_argument("--out", default=None, help="JSON with every row (and the SPS table path)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -94,10 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     names = args.policies.split(",")
-    runs = [(b, spec, name) for b in sizes for spec in ["none", *drafters] for name in
-            (["plain"] if spec == "none" else names)]
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    configs = [(spec, name) for spec in ["none", *drafters] for name in (["plain"] if spec == "none" else names)]
+    # per batch size: one warm-up run of plain decoding, then `repeats` rounds of every configuration
+    runs = [(b, r, spec, name) for b in sizes for r in range(-1, args.repeats)
+            for spec, name in (configs if r >= 0 else configs[:1])]
     plain_out: dict[int, list] = {}
-    for b, spec, name in tqdm(runs, desc="runs"):
+    for b, round_, spec, name in tqdm(runs, desc="runs"):
         batch = (prompts * ((b + len(prompts) - 1) // len(prompts)))[:b]
         if spec == "none":
             engine = SpeculativeEngine(adapter, NoDrafter())
@@ -115,27 +146,35 @@ def main(argv: list[str] | None = None) -> int:
             plain_out[b] = outputs
         stats = getattr(getattr(engine.policy, "planner", None), "stats", None)
         drafted = stats().speculative_steps if stats and stats().speculative_steps >= 0 else (0 if spec == "none" else steps)
+        if round_ < 0:
+            continue  # warm-up
         rows.append({
-            "batch": b, "drafter": spec, "policy": name, "throughput_tok_s": tokens / wall, "wall_s": wall,
+            "batch": b, "round": round_, "drafter": spec, "policy": name, "throughput_tok_s": tokens / wall,
+            "wall_s": wall,
             "tau": sum(sum(r.stats.accept_lengths) for r in res) / max(1, sum(r.stats.num_steps for r in res)),
             "steps": steps, "drafted_steps": drafted,
             "verified_drafts_per_step": sum(sum(r.stats.verify_lengths) for r in res) / max(1, steps),
             "same_as_plain": outputs == plain_out[b] if args.temperature == 0 else None,
         })
-    base = {r["batch"]: r["throughput_tok_s"] for r in rows if r["drafter"] == "none"}
-    print(f"\n{cpu_description()} | torch threads {torch.get_num_threads()} | dtype {adapter.dtype} | "
-          f"max_new_tokens {args.max_new_tokens} | T={args.temperature} | SPS table {sps_table}")
-    print(f"{'B':>4} {'drafter':<10} {'policy':<7} {'tok/s':>8} {'x plain':>8} {'tau':>6} {'drafted':>9} "
-          f"{'drafts/step':>12} {'same':>5}")
+    base = {(r["batch"], r["round"]): r["throughput_tok_s"] for r in rows if r["drafter"] == "none"}
     for r in rows:
+        r["x_plain"] = r["throughput_tok_s"] / base[(r["batch"], r["round"])]
+    summary = summarize(rows)
+    print(f"\n{cpu_description()} | torch threads {torch.get_num_threads()} | dtype {adapter.dtype} | "
+          f"max_new_tokens {args.max_new_tokens} | T={args.temperature} | SPS table {sps_table} | "
+          f"median of {args.repeats} interleaved rounds")
+    print(f"{'B':>4} {'drafter':<10} {'policy':<7} {'tok/s':>8} {'x plain':>8} {'(min-max)':>11} {'tau':>6} "
+          f"{'drafted':>9} {'drafts/step':>12} {'same':>5}")
+    for r in summary:
         print(f"{r['batch']:>4} {r['drafter']:<10} {r['policy']:<7} {r['throughput_tok_s']:>8.1f} "
-              f"{r['throughput_tok_s'] / base[r['batch']]:>8.2f} {r['tau']:>6.2f} "
+              f"{r['x_plain']:>8.2f} {r['x_plain_min']:>5.2f}-{r['x_plain_max']:<5.2f} {r['tau']:>6.2f} "
               f"{r['drafted_steps']:>4}/{r['steps']:<4} {r['verified_drafts_per_step']:>12.2f} "
               f"{'' if r['same_as_plain'] is None else str(r['same_as_plain']):>5}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"cpu": cpu_description(), "device": str(adapter.device), "dtype": str(adapter.dtype),
-                       "threads": torch.get_num_threads(), "sps_table": sps_table, "rows": rows}, fh, indent=2)
+                       "threads": torch.get_num_threads(), "sps_table": sps_table, "repeats": args.repeats,
+                       "summary": summary, "rows": rows}, fh, indent=2)
     return 0
 
 

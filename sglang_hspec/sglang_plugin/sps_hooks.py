@@ -9,7 +9,11 @@ three client-side checks stand in the way, each relaxed here and nothing else:
 - it refuses `disable_cuda_graph`: a CPU server has no CUDA graphs to keep, so a CPU server passes (a GPU
   server without graphs is still refused, as SGLang intends);
 - `start_load` draws random prompt ids from [1000, vocab - 1000), which is empty below 2001 ids: small
-  vocabularies (test targets) draw from the middle three quarters instead.
+  vocabularies (test targets) draw from the middle three quarters instead;
+- a server that never drafts (`HSPEC_SPECULATION=never`, profiled for the plain-decode probes) verifies
+  one token per request, and the profiler refuses a round with fewer than requests x
+  `speculative_num_draft_tokens` verify tokens: inside `anchor_only_profile()` the server reads as
+  verifying 1 token per request, which is what it does.
 
 The profiler module costs ~10 s to import, so `install()` registers the hooks only in a process that has
 already imported it (the `hspec profile-sps --url` client and the launcher's auto-profile); server
@@ -18,21 +22,47 @@ processes never import it. Imports SGLang lazily.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
 PROFILER_MODULE = "sglang.benchmark.dspark_sps_profiler"
 HSPEC_ALGORITHM = "HSPEC"
+RECORD_PAYLOAD_KEY = "dspark_info_record"  # the profiler's INFO_RECORD_PAYLOAD_KEY: a rank's step-record state
 
 _installed = False
+_anchor_only = False  # inside anchor_only_profile(): the profiled server verifies the anchor only
 
 
-def server_info_for_profiler(info: dict[str, Any]) -> dict[str, Any]:
+@contextlib.contextmanager
+def anchor_only_profile():
+    """Profile a server that never drafts: its steps verify 1 token per request (the anchor), so the
+    profiler must expect requests x 1 verify tokens, and files a probe of N requests under N tokens."""
+    global _anchor_only
+    saved, _anchor_only = _anchor_only, True
+    try:
+        yield
+    finally:
+        _anchor_only = saved
+
+
+def server_info_for_profiler(info: dict[str, Any], *, anchor_only: bool | None = None) -> dict[str, Any]:
     """`/server_info` as SGLang's profiler should judge it: HSPEC runs DSpark's verify and step records,
-    so it reads as DSPARK; on CPU there are no CUDA graphs to require."""
+    so it reads as DSPARK; on CPU there are no CUDA graphs to require; a never-drafting server
+    (`anchor_only`, default: inside `anchor_only_profile()`) verifies 1 token per request."""
     out = dict(info)
     if str(out.get("speculative_algorithm") or "").upper() == HSPEC_ALGORITHM:
         out["speculative_algorithm"] = "DSPARK"
+    if _anchor_only if anchor_only is None else anchor_only:
+        out["speculative_num_draft_tokens"] = 1
+        states = []  # the profiler reads the width from each rank's step-record payload
+        for state in out.get("internal_states") or []:
+            state = dict(state)
+            if isinstance(state.get(RECORD_PAYLOAD_KEY), dict):
+                state[RECORD_PAYLOAD_KEY] = {**state[RECORD_PAYLOAD_KEY], "verify_num_draft_tokens": 1}
+            states.append(state)
+        if states:
+            out["internal_states"] = states
     if str(out.get("device") or "").startswith("cpu"):
         out["disable_cuda_graph"] = False
         # No graphs on CPU: every batch size runs the same eager path, so the sweep's bound is the running
@@ -137,4 +167,4 @@ def apply():
     return module
 
 
-__all__ = ["PROFILER_MODULE", "apply", "install", "prompt_id_range", "server_info_for_profiler"]
+__all__ = ["PROFILER_MODULE", "anchor_only_profile", "apply", "install", "prompt_id_range", "server_info_for_profiler"]

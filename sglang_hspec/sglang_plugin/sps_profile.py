@@ -19,6 +19,7 @@ Imports SGLang lazily (only `profile_server` needs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
@@ -78,10 +79,13 @@ def capacity_batch_tokens(info: dict[str, Any]) -> int | None:
 def profile_server(*, url: str, out: str | os.PathLike, batch_sizes: list[int] | None = None,
                    input_len: int = 16, temperature: float = 1.0, min_steady_steps: int = 32,
                    min_steady_seconds: float = 10.0, round_timeout: float = 300.0, repeats: int = 1,
-                   max_batch_tokens: int | None = None, tokenizer_path: str | None = None, plot: bool = True):
+                   max_batch_tokens: int | None = None, tokenizer_path: str | None = None, plot: bool = True,
+                   anchor_only: bool = False):
     """Profile the server at `url` with SGLang's profiler; write the table to `out` (plus SGLang's
     `<stem>.rounds.jsonl`, `<stem>.records.jsonl`, `<out>.manifest.json`, and our `<stem>.png`).
-    Returns the table as loaded by `sglang_hspec.scheduler.load_sps_table`."""
+    `anchor_only`: the server never drafts (`HSPEC_SPECULATION=never`): a probe of N requests verifies N
+    tokens and is filed under N batch tokens. Returns the table as loaded by
+    `sglang_hspec.scheduler.load_sps_table`."""
     from sglang_hspec.scheduler import load_sps_table, plot_sps
 
     from .sps_hooks import apply
@@ -110,8 +114,11 @@ def profile_server(*, url: str, out: str | os.PathLike, batch_sizes: list[int] |
                                   min_steady_seconds=min_steady_seconds, round_timeout_seconds=round_timeout)
     logger.info("profiling %s (%s): request counts %s", url, info.get("speculative_algorithm"), batch_sizes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prof.run_profile(base_url=url, batch_sizes=batch_sizes, settings=settings, out=str(out), repeats=repeats,
-                     local_tokenizer_path=tokenizer_path, fracs=None)
+    from .sps_hooks import anchor_only_profile
+
+    with anchor_only_profile() if anchor_only else contextlib.nullcontext():
+        prof.run_profile(base_url=url, batch_sizes=batch_sizes, settings=settings, out=str(out), repeats=repeats,
+                         local_tokenizer_path=tokenizer_path, fracs=None)
     prof.fit_profile(out=str(out), max_batch_tokens=max_batch_tokens, self_check=True, plot=False)
     table = load_sps_table(out)
     if plot:
@@ -186,11 +193,12 @@ def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float
         time.sleep(1.0)
 
 
-def with_plain_probes(spec, plain, *, verify_tokens: int):
+def with_plain_probes(spec, plain, *, verify_tokens: int = 1):
     """`spec` (an HSPEC server's SGLang-profiled table) extended with the plain-decode probes of `plain`
     (the same server profiled with `HSPEC_SPECULATION=never`: every step verifies the anchor only). SGLang's
-    profiler files a probe of bs requests under bs x verify_tokens batch tokens; plain probes are per
-    request count. No drafter column: SGLang's step times already include the draft forward."""
+    profiler files a probe of bs requests under bs x verify_tokens batch tokens (1 for a table profiled
+    with `anchor_only`); plain probes are per request count. No drafter column: SGLang's step times
+    already include the draft forward."""
     import msgspec
 
     from sglang_hspec.scheduler.sps import SpsCostTable
@@ -241,9 +249,9 @@ def profile_with_server(*, out: str | os.PathLike, settings: dict[str, Any] | No
     work.mkdir(parents=True)
     env = {**os.environ, **PROFILING_SERVER_ENVIRONMENT, PROFILING_SERVER_ENV: "1", POLICY_ENV: "always"}
     port = _free_port()
-    verify_tokens = _profile_once(cmd=relaunch_argv(argv, port=port), port=port, out=work / out.name,
-                                  log_path=out.with_name(out.stem + ".server.log"), env=env,
-                                  settings=settings or {}, startup_timeout=startup_timeout)
+    _profile_once(cmd=relaunch_argv(argv, port=port), port=port, out=work / out.name,
+                  log_path=out.with_name(out.stem + ".server.log"), env=env, settings=settings or {},
+                  startup_timeout=startup_timeout)
     table = work / out.name
     if plain_probes:
         plain = work / "plain" / out.name
@@ -251,9 +259,9 @@ def profile_with_server(*, out: str | os.PathLike, settings: dict[str, Any] | No
         port = _free_port()
         _profile_once(cmd=relaunch_argv(argv, port=port), port=port, out=plain,
                       log_path=out.with_name(out.stem + ".plain.server.log"), env={**env, POLICY_ENV: "never"},
-                      settings={**(settings or {}), "plot": False}, startup_timeout=startup_timeout)
-        save_sps_table(with_plain_probes(load_sps_table(table), load_sps_table(plain),
-                                         verify_tokens=verify_tokens), table)
+                      settings={**(settings or {}), "plot": False, "anchor_only": True},
+                      startup_timeout=startup_timeout)
+        save_sps_table(with_plain_probes(load_sps_table(table), load_sps_table(plain)), table)
         shutil.rmtree(plain.parent, ignore_errors=True)
     for f in sorted(work.iterdir(), key=lambda p: p == table):  # the table last
         os.replace(f, out.parent / f.name)
@@ -315,9 +323,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
             from sglang_hspec.scheduler.sps import save_sps_table
 
             plain_out = Path(args.out).with_name(Path(args.out).stem + ".plain.json")
-            plain = profile_server(url=args.plain_url, out=plain_out, plot=False, **common)
-            verify_tokens = int(_get_json(args.plain_url.rstrip("/") + "/server_info")["speculative_num_draft_tokens"])
-            table = with_plain_probes(table, plain, verify_tokens=verify_tokens)
+            plain = profile_server(url=args.plain_url, out=plain_out, plot=False, anchor_only=True, **common)
+            table = with_plain_probes(table, plain)
             save_sps_table(table, args.out)
             for n, s in zip(table.plain_batch_sizes, table.plain_steps_per_sec):
                 print(f"{n:>7d} requests {s:10.2f} plain steps/s")

@@ -93,9 +93,11 @@ def test_auto_profile_caches_the_table_and_reuses_it(tiny_checkpoints, hspec_dra
 
     target = tiny_checkpoints["target"]
     cache = tmp_path / "cache"
+    # HSPEC_SPECULATION=auto: the auto-profile also measures plain decode steps on a second profiling server
+    # that never drafts (it verifies one token per request, which SGLang's profiler must be told)
     env = {"SGLANG_RAGGED_VERIFY_MODE": "compact", "HSPEC_AUTO_PROFILE_SPS": "1", "HSPEC_CACHE_DIR": str(cache),
            "HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES": GRID, "HSPEC_AUTO_PROFILE_SPS_STEADY_STEPS": "4",
-           "HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS": "0"}
+           "HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS": "0", "HSPEC_SPECULATION": "auto"}
     key = SpsCacheKey.from_server_args(SimpleNamespace(
         model_path=str(target), speculative_draft_model_path=str(hspec_draft), tp_size=1, dtype="float32",
         device="cpu"))
@@ -114,7 +116,9 @@ def test_auto_profile_caches_the_table_and_reuses_it(tiny_checkpoints, hspec_dra
     first = start("auto_first")
     assert "no cached SPS table" in first and f"profiled SPS table cached at {path}" in first
     assert f"sps_table={path}" in first  # the planner of this very start uses it
-    _check_table(path)
+    table = _check_table(path)
+    assert table.plain_batch_sizes == [1, 2] and all(s > 0 for s in table.plain_steps_per_sec)
+    assert "HSPEC: speculation policy auto (HSPEC_SPECULATION)" in first
     assert json.loads(key_sidecar(path).read_text())["model"] == str(Path(target).resolve())
     assert "verifies its full block" not in path.with_name(path.stem + ".server.log").read_text()
     stamp = os.stat(path).st_mtime_ns
@@ -157,6 +161,10 @@ def test_hooks_make_sglang_profiler_accept_hspec(monkeypatch):
     assert (context.verify_num_draft_tokens, context.cuda_graph_max_bs, context.tokenizer_path) == (4, 48, "/tok")
     assert isinstance(prof.requests, SimpleNamespace)  # the module's `requests` is restored after the call
     assert sys.modules[sps_hooks.PROFILER_MODULE] is prof
+    # a never-drafting server (the plain-decode probes) is judged as verifying 1 token per request
+    assert sps_hooks.RECORD_PAYLOAD_KEY == prof.INFO_RECORD_PAYLOAD_KEY
+    with sps_hooks.anchor_only_profile():
+        assert prof.fetch_server_context(base_url="http://x", local_tokenizer_path=None).verify_num_draft_tokens == 1
 
 
 def _record_steps(dumper, clock, gaps_s):

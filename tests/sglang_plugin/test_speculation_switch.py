@@ -95,6 +95,14 @@ def test_with_plain_probes_maps_batch_tokens_to_request_counts():
     assert out.plain_lookup(3) == 11.0
 
 
+def test_with_plain_probes_of_an_anchor_only_profile_are_per_request():
+    # the launcher profiles the never-drafting server with anchor_only: N requests filed under N tokens
+    spec = SpsCostTable(sample_batch_tokens=[8, 16], sample_steps_per_sec=[5.0, 4.0], max_batch_tokens=384)
+    plain = SpsCostTable(sample_batch_tokens=[1, 2, 4], sample_steps_per_sec=[12.5, 11.0, 9.0], max_batch_tokens=384)
+    out = with_plain_probes(spec, plain)
+    assert out.plain_batch_sizes == [1, 2, 4] and out.plain_steps_per_sec == [12.5, 11.0, 9.0]
+
+
 def test_with_plain_probes_refuses_other_verify_widths():
     spec = SpsCostTable(sample_batch_tokens=[8], sample_steps_per_sec=[5.0], max_batch_tokens=64)
     plain = SpsCostTable(sample_batch_tokens=[6], sample_steps_per_sec=[9.0], max_batch_tokens=64)

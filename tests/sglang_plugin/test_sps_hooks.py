@@ -37,6 +37,25 @@ def test_on_cpu_the_sweep_is_bounded_by_the_running_cap_not_a_graph_capture_list
     assert gpu["internal_states"] == [state]  # on GPU the captured graphs bound the sweep, as in SGLang
 
 
+def test_a_never_drafting_server_reads_as_verifying_one_token_per_request():
+    # SGLang's profiler expects requests x speculative_num_draft_tokens verify tokens per step; a server
+    # with HSPEC_SPECULATION=never verifies the anchor only (the launcher's plain-probe profile failed on it)
+    payload = {"mode": "static", "verify_num_draft_tokens": 8}
+    info = {"speculative_algorithm": "HSPEC", "device": "cpu", "speculative_num_draft_tokens": 8,
+            "internal_states": [{"dspark_info_record": payload}]}
+
+    def widths(seen):  # the server's and each rank's step-record payload (what the profiler reads)
+        return seen["speculative_num_draft_tokens"], seen["internal_states"][0]["dspark_info_record"][
+            "verify_num_draft_tokens"]
+
+    assert widths(sps_hooks.server_info_for_profiler(info)) == (8, 8)
+    with sps_hooks.anchor_only_profile():
+        assert widths(sps_hooks.server_info_for_profiler(info)) == (1, 1)
+    assert widths(sps_hooks.server_info_for_profiler(info)) == (8, 8)  # restored on exit
+    assert widths(sps_hooks.server_info_for_profiler(info, anchor_only=True)) == (1, 1)
+    assert widths(info) == (8, 8) and payload["mode"] == "static"  # the caller's dicts are not modified
+
+
 def test_prompt_ids_fit_small_vocabularies():
     assert sps_hooks.prompt_id_range(151936, 1000, 1000) == (1000, 1000)  # SGLang's own range
     assert sps_hooks.prompt_id_range(2001, 1000, 1000) == (1000, 1000)  # ids [1000, 1001): still one id
