@@ -4,6 +4,12 @@ The DFlash-family verify window (and DSpark's draft block) is allocated in `req_
 forward, so a verify row of request r attends to `req_to_token[r, :prefix + width]`: the committed
 prefix plus its own block, causally for decoder layers (target verify) and fully for ENCODER_ONLY
 layers (DSpark's non-causal draft block). A per-request Python loop, fine at CI sizes.
+
+Each request's SDPA takes only its verify rows as queries, with the causal (and sliding-window) mask
+aligned to their positions prefix + i. SGLang's `_run_sdpa_forward_extend` instead pads the queries to
+the whole context and keeps the last rows, which made a verify of w tokens over a context of n cost
+like n query rows: a step verifying only the anchor cost 1.3 plain decode steps on the embedded target
+(docs/serving.md, "Where an HSPEC step's time goes").
 """
 
 from __future__ import annotations
@@ -37,19 +43,47 @@ class TorchNativeAttnBackendWithVerify(TorchNativeAttnBackend):
         o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
         causal = layer.attn_type != AttentionType.ENCODER_ONLY
         window = layer.sliding_window_size
-        self._run_sdpa_forward_extend(
+        verify_attention(
             q_, o_,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
             self.req_to_token_pool.req_to_token,
             forward_batch.req_pool_indices,
-            prefix + widths,
             prefix,
             widths,
-            None,
             scaling=layer.scaling,
             enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
             causal=causal,
             sliding_window_size=window if causal and window is not None and window > -1 else None,
         )
         return o
+
+
+def verify_attention(query, output, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, widths, *,
+                     scaling, enable_gqa, causal, sliding_window_size=None) -> None:
+    """Per request r: its widths[r] query rows (packed in `query` [rows, heads, dim]) attend to the keys
+    of req_to_token[r, :prefix + width]; row i sits at position prefix + i. Causal: key j is visible iff
+    j <= prefix + i (and j >= prefix + i - sliding_window_size with a window, SGLang's rule); otherwise
+    every key is. Writes `output` [rows, heads, dim]; rows past sum(widths) are left as they are."""
+    start = 0
+    for r, (prefix, width) in enumerate(zip(prefix_lens.tolist(), widths.tolist())):
+        if width <= 0:
+            continue
+        n = prefix + width
+        tokens = req_to_token[req_pool_indices[r], :n]
+        q = query[start:start + width].movedim(0, 1)  # [heads, width, dim]
+        k = k_cache[tokens].movedim(0, 1)
+        v = v_cache[tokens].movedim(0, 1)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        mask = None
+        if causal and (width > 1 or sliding_window_size is not None):
+            q_pos = torch.arange(prefix, n, device=q.device)[:, None]
+            k_pos = torch.arange(n, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window_size is not None:
+                mask &= k_pos >= q_pos - sliding_window_size
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
+        output[start:start + width] = out[0].movedim(0, 1)
+        start += width
