@@ -31,35 +31,6 @@ logger = logging.getLogger(__name__)
 _NEVER = -(2**62)  # 'step' of a draft that never happened
 
 
-def _cumprod_rows(values: np.ndarray) -> None:
-    """In-place cumulative product down the rows of a [k, B] array (k contiguous multiplies: faster
-    than np.cumprod along a short axis)."""
-    for j in range(1, values.shape[0]):
-        np.multiply(values[j - 1], values[j], out=values[j])
-
-
-def _estimated_survival_slot_major(confidences: np.ndarray, *, known: np.ndarray, num_known: int,
-                                   ratios: np.ndarray) -> np.ndarray:
-    """switch.estimated_survival_numpy on a [k, N] copy (overwritten and returned), same values."""
-    corrected = np.multiply(confidences, ratios[:, None], out=confidences)
-    np.minimum(corrected, 1.0, out=corrected)  # >= 0 already: confidences in [0, 1], ratios > 0
-    if num_known < known.size:
-        corrected[:, ~known] = (corrected[:, known].sum(1) / num_known if num_known
-                                else np.clip(ratios, 0.0, 1.0))[:, None]
-    _cumprod_rows(corrected)
-    return corrected
-
-
-def _audit_counts_slot_major(confidences: np.ndarray, *, verify_lengths: np.ndarray, num_accepted: np.ndarray):
-    """switch.audit_counts on a float64 [k, B] array and int arrays: (accepted [k], predicted [k])."""
-    k = confidences.shape[0]
-    slot = np.arange(k)[:, None]
-    attempted = slot < np.minimum(verify_lengths, num_accepted + 1)[None, :]
-    accepted = (attempted & (slot < num_accepted[None, :])).sum(1, dtype=np.float64)
-    predicted = np.where(attempted, confidences, 0.0).sum(1)
-    return accepted, predicted
-
-
 class PolicyStats(msgspec.Struct, frozen=True):
     policy: str
     steps: int
@@ -297,8 +268,7 @@ class AutoPolicy(_SpsPolicy):
         self._last_draft_step = _NEVER
         self._probes = self._spec_steps = 0
         self._clock = 0  # steps decided so far (decide() owns it)
-        self._all_rows = torch.arange(64)  # 0..n-1 for a step that drafts every row, sliced (no new tensor)
-        self._rows_cache: dict[int, torch.Tensor] = {}
+        self._rows_cache: dict[int, torch.Tensor] = {}  # n -> arange(n): the rows of a step that drafts all
         self._planned: tuple[torch.Tensor, np.ndarray] | None = None  # plan()'s input and its [k, B] host copy
 
     # ---- state ---------------------------------------------------------------------------------
@@ -375,8 +345,8 @@ class AutoPolicy(_SpsPolicy):
                                                        known=np.ones(n, dtype=bool), ratios=self._ratios)
             num_known_estimates = n
         else:
-            survival = _estimated_survival_slot_major(self._conf.take(s, axis=1), known=known, num_known=num_known,
-                                                      ratios=self._ratios).T  # [N, k] view
+            survival = switch.estimated_survival_slot_major(self._conf.take(s, axis=1), known=known, num_known=num_known,
+                                                            ratios=self._ratios).T  # [N, k] view
         decision = switch.decide_speculation_numpy(
             survival=survival, costs=self.costs, known_rows=max(num_known, num_known_estimates),
             steps_since_draft=step - self._last_draft_step, probe_interval=self.probe_interval,
@@ -402,13 +372,11 @@ class AutoPolicy(_SpsPolicy):
         return decision, rows
 
     def _rows_upto(self, n: int) -> torch.Tensor:
-        """torch.arange(n), from a cache (a torch slice costs as much as the rest of a numpy step)."""
+        """torch.arange(n), from a cache (one torch op costs as much as several numpy steps here)."""
         if n not in self._rows_cache:
-            if self._all_rows.numel() < n:
-                self._all_rows = torch.arange(max(n, 2 * self._all_rows.numel()))
             if len(self._rows_cache) > 64:
                 self._rows_cache.clear()
-            self._rows_cache[n] = self._all_rows[:n]
+            self._rows_cache[n] = torch.arange(n)
         return self._rows_cache[n]
 
     def plan(self, *, confidences: torch.Tensor, slot_ids: torch.Tensor, generations: torch.Tensor):
@@ -432,7 +400,7 @@ class AutoPolicy(_SpsPolicy):
         self._planned = (confidences, conf)
         if decision.budget > 0 and b and k:
             current = np.minimum(conf * self._ratios[:, None], 1.0)
-            _cumprod_rows(current)
+            switch.cumprod_rows(current)
             lengths = planner.topk_lengths_slot_major(current.ravel(), num_reqs=b, budget=decision.budget,
                                                       min_survival=0.0, all_admissible=True)
         else:
@@ -452,12 +420,11 @@ class AutoPolicy(_SpsPolicy):
             return
         planned = self._planned
         if planned is not None and planned[0] is confidences:  # plan's host copy, [k, B]
-            acc, pred = _audit_counts_slot_major(planned[1], verify_lengths=verify_lengths.cpu().numpy(),
-                                                 num_accepted=num_accepted.cpu().numpy())
+            acc, pred = switch.audit_counts_slot_major(planned[1], verify_lengths=verify_lengths.cpu().numpy(),
+                                                       num_accepted=num_accepted.cpu().numpy())
         else:
             acc, pred = (t.numpy() for t in switch.audit_counts(
-                confidences=confidences.detach().cpu(), verify_lengths=verify_lengths.cpu(),
-                num_accepted=num_accepted.cpu()))
+                confidences=confidences, verify_lengths=verify_lengths, num_accepted=num_accepted))
         self._pending_audit.append((self._clock - 1, acc, pred))
 
     def stats(self) -> PolicyStats:

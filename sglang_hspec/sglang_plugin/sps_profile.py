@@ -88,7 +88,7 @@ def profile_server(*, url: str, out: str | os.PathLike, batch_sizes: list[int] |
     `sglang_hspec.scheduler.load_sps_table`."""
     from sglang_hspec.scheduler import load_sps_table, plot_sps
 
-    from .sps_hooks import apply
+    from .sps_hooks import anchor_only_profile, apply
 
     url = url.rstrip("/")
     out = Path(out)
@@ -114,8 +114,6 @@ def profile_server(*, url: str, out: str | os.PathLike, batch_sizes: list[int] |
                                   min_steady_seconds=min_steady_seconds, round_timeout_seconds=round_timeout)
     logger.info("profiling %s (%s): request counts %s", url, info.get("speculative_algorithm"), batch_sizes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from .sps_hooks import anchor_only_profile
-
     with anchor_only_profile() if anchor_only else contextlib.nullcontext():
         prof.run_profile(base_url=url, batch_sizes=batch_sizes, settings=settings, out=str(out), repeats=repeats,
                          local_tokenizer_path=tokenizer_path, fracs=None)
