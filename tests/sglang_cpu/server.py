@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +25,7 @@ SHIM_DIR = HERE / "shim"
 PLUGIN_DIR = HERE / "plugin"
 CPU_PLUGIN_ENTRY = "sglang_cpu_testing"
 READY_LINE = "The server is fired up and ready to roll!"
+LAUNCHER_CMD = "python -m sglang.launch_server"
 
 
 def sglang_python() -> str:
@@ -51,6 +53,9 @@ def cpu_env(*, plugins: tuple[str, ...] = (CPU_PLUGIN_ENTRY,), base: dict | None
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # fix 9: schedulers and detokenizers fork from the launcher (test_sglang_cpu_e2e.py's HSPEC server keeps
+    # SGLang's spawn, which loads the plugins afresh in each child, as on GPU)
+    env.setdefault("SGLANG_CPU_TESTING_FORK", "1")
     return env
 
 
@@ -60,9 +65,72 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ZygoteProcess:
+    """A launcher forked by the zygote (zygote.py), with the part of `subprocess.Popen` that Server uses."""
+
+    def __init__(self, zygote: Zygote, pid: int):
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.call({"op": "poll", "pid": self.pid})["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(LAUNCHER_CMD, timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+
+class Zygote:
+    """One per test process, started on first use (the import it saves is paid once, ~30 s); its stdin
+    closes, and it exits, when the test process does."""
+
+    _instance: Zygote | None = None
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sglang_python(), str(HERE / "zygote.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=cpu_env(), text=True, bufsize=1)
+        self.lock = threading.Lock()
+        if json.loads(self.proc.stdout.readline() or "{}").get("ready") is not True:
+            raise RuntimeError(f"the SGLang launch zygote ({HERE / 'zygote.py'}) did not start: exit "
+                               f"{self.proc.poll()}; run it by hand to see its error")
+
+    @classmethod
+    def get(cls) -> Zygote:
+        if cls._instance is None or cls._instance.proc.poll() is not None:
+            cls._instance = Zygote()
+        return cls._instance
+
+    def call(self, request: dict) -> dict:
+        with self.lock:  # one request and its reply at a time (servers may be stopped from other threads)
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+
+    def launch(self, argv: list[str], *, env: dict, log_path: Path, module: str = "sglang.launch_server",
+               cwd: Path | None = None) -> ZygoteProcess:
+        pid = self.call({"op": "launch", "argv": argv, "env": env, "log": str(log_path), "module": module,
+                         "cwd": str(cwd or os.getcwd())})["pid"]
+        return ZygoteProcess(self, pid)
+
+
+def start_launcher(argv: list[str], *, env: dict, log_path: Path):
+    """`python -m sglang.launch_server *argv` in its own session, output to log_path: a fork of the zygote
+    (SGLANG_CPU_TESTING_ZYGOTE=1, the default) or a fresh interpreter."""
+    if env.get("SGLANG_CPU_TESTING_ZYGOTE", "1") == "1":
+        return Zygote.get().launch(argv, env=env, log_path=log_path)
+    with open(log_path, "wb") as fh:
+        return subprocess.Popen([sglang_python(), "-m", "sglang.launch_server", *argv], stdout=fh,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
 @dataclass
 class Server:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ZygoteProcess
     port: int
     log_path: Path
     started_s: float = 0.0
@@ -135,8 +203,8 @@ def launch(
     or a fixed budget through the CPU plugin's SGLANG_CPU_TESTING_KV_BUDGET_MB).
     Raises RuntimeError with the log tail when it dies or does not come up in time."""
     port = free_port()
-    cmd = [
-        sglang_python(), "-m", "sglang.launch_server", "--model-path", str(model_path), "--device", "cpu",
+    argv = [
+        "--model-path", str(model_path), "--device", "cpu",
         "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup", "--disable-cuda-graph",
         # An idle SGLang scheduler otherwise polls at 100 % of a core; a module's idle servers would take the
         # CPU from the test that is running.
@@ -148,9 +216,8 @@ def launch(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    with open(log_path, "wb") as fh:
-        # Own process group: stop() reaches the scheduler/detokenizer children too.
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # Own process group: stop() reaches the scheduler/detokenizer children too.
+    proc = start_launcher(argv, env=env, log_path=log_path)
     server = Server(proc=proc, port=port, log_path=log_path, started_s=t0)
     try:
         while True:

@@ -8,6 +8,9 @@ import pytest
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 MAX_NEW = 32
+# SGLang's own spawn start for the HSPEC server (the rest of the tier forks, tests/sglang_cpu/README.md fix 9):
+# there the scheduler and detokenizer load both plugins themselves, as they do on GPU
+SPAWN = {"SGLANG_CPU_TESTING_FORK": "0"}
 
 
 def _greedy(srv, prompts):
@@ -74,7 +77,7 @@ def test_hspec_greedy_equals_nonspec(tiny_checkpoints, hspec_drafts, sglang_serv
     srv = sglang_server(
         tiny_checkpoints["target"], name=f"hspec_{draft}_{mode}", plugins=("sglang_cpu_testing", "hspec"),
         args=["--speculative-algorithm", "HSPEC", "--speculative-draft-model-path", str(hspec_drafts[draft])],
-        env_extra={"SGLANG_RAGGED_VERIFY_MODE": mode},
+        env_extra={"SGLANG_RAGGED_VERIFY_MODE": mode, **SPAWN},
     )
     ids, accept = _greedy(srv, builders.PROMPTS)
     assert ids == baseline_ids

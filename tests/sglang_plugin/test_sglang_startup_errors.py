@@ -49,30 +49,29 @@ def ckpts(tmp_path_factory):
 
 def launch_and_fail(target: Path, args: list[str], *, plugins=BOTH_PLUGINS, pythonpath_extra: Path | None = None,
                     log: Path) -> tuple[int, str, float]:
-    """Run the real launcher as the CPU tier does (tests/sglang_cpu/server.py), expecting it to stop on
-    its own: (exit code, output, seconds). Never leaves a process behind."""
+    """Run the real launcher as the CPU tier does (tests/sglang_cpu/server.py: a fork of its zygote, which
+    has imported the third-party packages but not sglang), expecting it to stop on its own: (exit code,
+    output, seconds). Never leaves a process behind."""
     from sglang_cpu import server as cpu_server
 
     env = cpu_server.cpu_env(plugins=plugins)
     if pythonpath_extra is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath_extra), env["PYTHONPATH"]])
-    cmd = [cpu_server.sglang_python(), "-m", "sglang.launch_server", "--model-path", str(target),
-           "--device", "cpu", "--host", "127.0.0.1", "--port", str(cpu_server.free_port()),
-           "--max-total-tokens", "4096", "--skip-server-warmup", "--disable-cuda-graph", "--dtype", "float32",
-           "--speculative-algorithm", "HSPEC", *args]
+    argv = ["--model-path", str(target), "--device", "cpu", "--host", "127.0.0.1", "--port",
+            str(cpu_server.free_port()), "--max-total-tokens", "4096", "--skip-server-warmup", "--disable-cuda-graph",
+            "--dtype", "float32", "--speculative-algorithm", "HSPEC", *args]
     t0 = time.monotonic()
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = cpu_server.start_launcher(argv, env=env, log_path=log)
+    try:
+        rc = proc.wait(timeout=EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
         try:
-            rc = proc.wait(timeout=EXIT_WITHIN_S)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # a server that came up, or stragglers
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGKILL)  # a server that came up, or stragglers
+        except ProcessLookupError:
+            pass
+        proc.wait()
     elapsed = time.monotonic() - t0
     out = log.read_text(errors="replace")
     assert rc is not None, f"the launcher was still running after {EXIT_WITHIN_S} s:\n{out[-4000:]}"

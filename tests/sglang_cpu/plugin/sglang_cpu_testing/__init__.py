@@ -14,6 +14,7 @@ Fixes (numbers as in the reference):
 8. (opt-in, `SGLANG_CPU_TESTING_KV_BUDGET_MB`) a fixed KV-pool byte budget. On CPU SGLang sizes the pool
    from the host's free RAM, which other processes move between two launches; a fixed budget makes the
    pool size a pure function of the configuration, so servers can be compared at the same budget.
+9. (opt-in, `SGLANG_CPU_TESTING_FORK=1`) scheduler and detokenizer fork from the launcher instead of spawning.
 """
 
 from __future__ import annotations
@@ -123,6 +124,15 @@ def _patch_record_stream() -> None:
     torch.Tensor.record_stream = record_stream
 
 
+def _fork_subprocesses(*args, **kwargs):
+    # SGLang forces "spawn" (CUDA cannot be forked); on CPU each spawned scheduler and detokenizer then
+    # imports sglang again, ~25 CPU-seconds apiece on the test machine. A fork starts them from the
+    # launcher's imported modules instead.
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
+
+
 def register() -> None:
     """Idempotent: load_plugins() runs once per process, but tests may call it again."""
     global _registered
@@ -156,6 +166,9 @@ def register() -> None:
     ]
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)
+    if os.environ.get("SGLANG_CPU_TESTING_FORK") == "1":
+        HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config", _fork_subprocesses,
+                              HookType.AFTER)  # fix 9
     _patch_record_stream()  # fix 5
     _registered = True
     logger.info("sglang_cpu_testing: CPU fixes registered (pid %d)", os.getpid())
