@@ -79,6 +79,9 @@ def _run_launcher(request: dict) -> int:
 
 
 def serve() -> None:
+    # replies go to the original stdout; anything an import prints goes to stderr instead of into them
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     preload(third_party_modules())
     exited: dict[int, int] = {}
 
@@ -92,7 +95,6 @@ def serve() -> None:
                 return
             exited[pid] = os.waitstatus_to_exitcode(status)
 
-    out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -105,6 +107,7 @@ def serve() -> None:
             if pid == 0:
                 code = 1
                 try:
+                    out.close()
                     code = _run_launcher(request)
                 finally:
                     try:
