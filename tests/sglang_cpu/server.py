@@ -25,7 +25,7 @@ SHIM_DIR = HERE / "shim"
 PLUGIN_DIR = HERE / "plugin"
 CPU_PLUGIN_ENTRY = "sglang_cpu_testing"
 READY_LINE = "The server is fired up and ready to roll!"
-LAUNCHER_CMD = "python -m sglang.launch_server"
+LAUNCHER = "sglang.launch_server"
 
 
 def sglang_python() -> str:
@@ -80,7 +80,7 @@ class ZygoteProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(LAUNCHER_CMD, timeout)
+                raise subprocess.TimeoutExpired(f"python -m {LAUNCHER}", timeout)
             time.sleep(0.1)
         return self.returncode
 
@@ -111,7 +111,7 @@ class Zygote:
             self.proc.stdin.flush()
             return json.loads(self.proc.stdout.readline())
 
-    def launch(self, argv: list[str], *, env: dict, log_path: Path, module: str = "sglang.launch_server",
+    def launch(self, argv: list[str], *, env: dict, log_path: Path, module: str = LAUNCHER,
                cwd: Path | None = None) -> ZygoteProcess:
         pid = self.call({"op": "launch", "argv": argv, "env": env, "log": str(log_path), "module": module,
                          "cwd": str(cwd or os.getcwd())})["pid"]
@@ -124,7 +124,7 @@ def start_launcher(argv: list[str], *, env: dict, log_path: Path):
     if env.get("SGLANG_CPU_TESTING_ZYGOTE", "1") == "1":
         return Zygote.get().launch(argv, env=env, log_path=log_path)
     with open(log_path, "wb") as fh:
-        return subprocess.Popen([sglang_python(), "-m", "sglang.launch_server", *argv], stdout=fh,
+        return subprocess.Popen([sglang_python(), "-m", LAUNCHER, *argv], stdout=fh,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
