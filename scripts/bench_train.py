@@ -10,14 +10,17 @@ ratios to the baseline, and the loss per block after the last step (the weighted
 batches: a lever that keeps it equal changes the speed only). Rows:
 
   baseline            the trainer before these levers: target softmax per slot, padded anchors computed,
-                      the target run every step, model.init=random
+                      one context window copied per block, the target run every step, model.init=random
   target_probs_once   the target's softmax once per position, shared by the slots reading it
+  sequence_attention  attention reads each sequence's target KV in place for all its blocks, instead of
+                      copying one context window per block (model/hspec.py, sequence_block_attention)
   pack_anchors        no drafter or loss compute on padded anchors and masked slots
   feature_cache       target features read back from data.feature_cache (built by a cold run first, whose
                       time and disk cost are printed); the target's LM head still runs on final_hidden
   anchors_512         more anchors per target forward (data.num_anchors=512; changes the batch, so the loss)
   bf16                bf16 target and autocast, only where the CPU computes bf16 natively
-  all_exact           target_probs_once + pack_anchors + feature_cache (loss unchanged)
+  all_exact           target_probs_once + pack_anchors + sequence_attention + feature_cache (loss unchanged
+                      up to float rounding)
   all + anchors_512   and more anchors per target forward
   init=target_layers  all_exact with the drafter initialised from the target's layers (loss-slope lever)
 
@@ -43,8 +46,8 @@ from sglang_hspec.target.dtypes import bf16_is_fast, cpu_flags, cpu_model, resol
 from sglang_hspec.training.config import load_config
 from sglang_hspec.training.trainer import train
 
-BASELINE = ["training.target_probs_once=false", "training.pack_anchors=false"]
-EXACT = ["training.target_probs_once=true", "training.pack_anchors=true"]
+BASELINE = ["training.target_probs_once=false", "training.pack_anchors=false", "training.sequence_attention=false"]
+EXACT = ["training.target_probs_once=true", "training.pack_anchors=true", "training.sequence_attention=true"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     native_bf16 = bf16_is_fast("cpu")
     rows = [
         ("baseline", BASELINE),
-        ("target_probs_once", ["training.target_probs_once=true", "training.pack_anchors=false"]),
-        ("pack_anchors", ["training.target_probs_once=false", "training.pack_anchors=true"]),
+        ("target_probs_once", ["training.target_probs_once=true", "training.pack_anchors=false",
+                               "training.sequence_attention=false"]),
+        ("pack_anchors", ["training.target_probs_once=false", "training.pack_anchors=true",
+                          "training.sequence_attention=false"]),
+        ("sequence_attention", BASELINE[:2] + ["training.sequence_attention=true"]),
         ("feature_cache", BASELINE + cache),
         ("anchors_512", BASELINE + ["data.num_anchors=512"]),
         ("bf16", BASELINE + ["model.target_dtype=bf16", "training.bf16=true"]),

@@ -22,7 +22,7 @@ from torch import nn
 
 from sglang_hspec.core.types import DraftContext
 from sglang_hspec.model.config import HSpecConfig
-from sglang_hspec.model.hspec import DraftModel, RMSNorm, WindowKV, gather_window
+from sglang_hspec.model.hspec import DraftModel, RMSNorm, SequenceKV, WindowKV, gather_window
 from sglang_hspec.target.kv_view import dense_window_view
 
 
@@ -170,13 +170,13 @@ class DFlashDraftModel(DraftModel):
         return {i: gather_window(dense_window_view(k, v, n, self.sliding_window, row_index=rows), n, self.sliding_window)
                 for i, (k, v) in enumerate(zip(st.keys, st.values))}
 
-    def train_contexts(self, hidden, kv, input_ids, last_position, rows) -> dict[int, WindowKV]:
+    def train_contexts(self, hidden, kv, input_ids, last_position, rows, *,
+                       gather_windows: bool = False) -> dict[int, WindowKV | SequenceKV]:
         if hidden is None:
             raise ValueError(f"{self.name} needs features.hidden [B, T, 5, d] for layers {self.target_layer_ids}")
         B, T = hidden.shape[:2]
         positions = torch.arange(T, device=hidden.device).expand(B, T)
         out = {}
         for i, (k, v) in enumerate(self.context_kv(hidden, positions)):
-            view = dense_window_view(k, v, last_position, self.sliding_window, row_index=rows)
-            out[i] = gather_window(view, last_position, self.sliding_window)
+            out[i] = self.sequence_context(k, v, last_position, rows, gather_windows=gather_windows)
         return out

@@ -120,10 +120,21 @@ class Mamba2(nn.Module):
         """in_proj + causal depthwise conv + SiLU -> z, x [b,L,h,p], B, C [b,L,g,n], raw dt [b,L,h]."""
         b, L, _ = u.shape
         z, xbc, dt = torch.split(self.in_proj(u), [self.d_inner, self.conv_dim, self.nheads], dim=-1)
-        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :L].transpose(1, 2))
+        xbc = F.silu(self.causal_conv(xbc))
         x, B, C = torch.split(xbc, [self.d_inner, self.ngroups * self.dstate, self.ngroups * self.dstate], dim=-1)
         return (z, x.reshape(b, L, self.nheads, self.headdim), B.reshape(b, L, self.ngroups, self.dstate),
                 C.reshape(b, L, self.ngroups, self.dstate), dt)
+
+    def causal_conv(self, xbc: torch.Tensor) -> torch.Tensor:
+        """The depthwise causal conv1d over [b, L, C] (zero left context) as K shifted multiply-adds in
+        the channels-last layout: the same sum as `self.conv1d`, without its transposes, and its
+        backward is elementwise (a depthwise Conv1d backward cost a fifth of a CPU training step)."""
+        w, K, L = self.conv1d.weight[:, 0], self.conv1d.kernel_size[0], xbc.shape[1]
+        padded = F.pad(xbc, (0, 0, K - 1, 0))
+        out = padded[:, K - 1:K - 1 + L] * w[:, K - 1].to(xbc.dtype)
+        for i in range(K - 1):
+            out = out + padded[:, i:i + L] * w[:, i].to(xbc.dtype)
+        return out if self.conv1d.bias is None else out + self.conv1d.bias.to(xbc.dtype)
 
     def gated_norm_out(self, y: torch.Tensor, z: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
         # Mamba2's rule: RMSNorm(y * silu(z)) per group (norm_before_gate=False), eps 1e-5
@@ -149,6 +160,61 @@ class WindowKV:
     key: torch.Tensor
     value: torch.Tensor
     mask: torch.Tensor
+
+
+@dataclass
+class SequenceKV:
+    """Context K/V for one attention layer in training: every sequence's whole K/V [B, kv, T, D] (time
+    index == position), read by block rows `rows` [N] (their sequence) whose last committed position is
+    `last_position` [N]; a row sees the keys at positions in (n - window, n]. Nothing is gathered per
+    block: `sequence_block_attention` reads each sequence's keys once for all its blocks."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    rows: torch.Tensor
+    last_position: torch.Tensor
+    window: int
+
+
+def sequence_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: SequenceKV, *,
+                             causal: bool) -> torch.Tensor:
+    """Softmax attention of block queries q [N, nh, L, D] over [its sequence's context window ; the block's
+    own keys k, v [N, nkv, L, D]] (GQA as SDPA's enable_gqa), the same function as the gathered-window SDPA
+    path. The blocks are laid out per sequence, padded to the longest [B, A, ...], so the context scores
+    are one batched matmul against each sequence's K; the two key sets share one softmax (a common row
+    max, one denominator). Returns [N, nh, L, D]."""
+    N, nh, L, D = q.shape
+    B, nkv, T, _ = context.key.shape
+    g = nh // nkv
+    rows, n = context.rows, context.last_position
+    counts = torch.bincount(rows, minlength=B)
+    A = int(counts.max()) if N else 0
+    order = torch.argsort(rows, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(rows)
+    slot[order] = torch.arange(N, device=rows.device) - starts[rows[order]]
+    # [B, A, ...] padded layout; padded blocks have last position -1 (no context) and zero queries
+    qp = q.new_zeros(B, A, nh, L, D).index_put((rows, slot), q)
+    kp = k.new_zeros(B, A, nkv, L, D).index_put((rows, slot), k)
+    vp = v.new_zeros(B, A, nkv, L, D).index_put((rows, slot), v)
+    n_pad = n.new_full((B, A), -1).index_put((rows, slot), n)
+    qg = qp.view(B, A, nkv, g, L, D) * D ** -0.5
+    # context part: [B, nkv, g, A, L, T]
+    s_ctx = torch.einsum("baKgld,bKtd->bKgalt", qg, context.key.to(q.dtype)).float()
+    t = torch.arange(T, device=q.device)
+    seen = (t <= n_pad[..., None]) & (t > n_pad[..., None] - context.window)  # [B, A, T]
+    s_ctx = s_ctx.masked_fill(~seen[:, None, None, :, None, :], float("-inf"))
+    # block part: [B, nkv, g, A, L, L]
+    s_blk = torch.einsum("baKgld,baKsd->bKgals", qg, kp).float()
+    if causal:
+        s_blk = s_blk.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    top = torch.maximum(s_ctx.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True)).detach()
+    p_ctx, p_blk = torch.exp(s_ctx - top), torch.exp(s_blk - top)
+    denom = p_ctx.sum(-1, keepdim=True) + p_blk.sum(-1, keepdim=True)
+    out = (torch.einsum("bKgalt,bKtd->bKgald", p_ctx.to(q.dtype), context.value.to(q.dtype))
+           + torch.einsum("bKgals,baKsd->bKgald", p_blk.to(q.dtype), vp)) / denom.to(q.dtype)
+    # back to [N, nh, L, D]
+    return out.permute(0, 3, 1, 2, 4, 5).reshape(B, A, nh, L, D)[rows, slot]
 
 
 def gather_window(view: TargetKVView, last_position: torch.Tensor, sliding_window: int) -> WindowKV:
@@ -184,14 +250,16 @@ class Attention(nn.Module):
         return k, self.v_proj(x).view(N, L, self.nkv, self.hd).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                context: WindowKV | PagedKVWindow | None) -> torch.Tensor:
+                context: WindowKV | SequenceKV | PagedKVWindow | None) -> torch.Tensor:
         N, L, _ = x.shape
         q = self.q_proj(x).view(N, L, self.nh, self.hd)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), positions, inv_freq)
         k, v = self.project_kv(x, positions, inv_freq)
-        if isinstance(context, PagedKVWindow):
+        if isinstance(context, SequenceKV):
+            out = sequence_block_attention(q, k, v, context, causal=self.causal)
+        elif isinstance(context, PagedKVWindow):
             # SGLang's paged pool, read in place: the Triton kernel on CUDA, its torch twin elsewhere
             out = paged_block_attention(q, k, v, context, causal=self.causal)
         else:
@@ -428,15 +496,24 @@ class DraftModel(nn.Module):
             out[i] = gather_window(ctx.kv_views[layer_id], ctx.last_position, self.sliding_window)
         return out
 
-    def train_contexts(self, hidden, kv, input_ids, last_position, rows) -> dict[int, WindowKV]:
+    def train_contexts(self, hidden, kv, input_ids, last_position, rows, *,
+                       gather_windows: bool = False) -> dict[int, WindowKV | SequenceKV]:
         out = {}
         for i, layer_id in enumerate(self.kv_layer_ids):
             if layer_id not in kv:
                 raise ValueError(f"features.kv lacks target layer {layer_id}; request kv_layer_ids={self.kv_layer_ids}")
-            K, V = kv[layer_id]
-            view = dense_window_view(K, V, last_position, self.sliding_window, row_index=rows)
-            out[i] = gather_window(view, last_position, self.sliding_window)
+            out[i] = self.sequence_context(*kv[layer_id], last_position, rows, gather_windows=gather_windows)
         return out
+
+    def sequence_context(self, K: torch.Tensor, V: torch.Tensor, last_position: torch.Tensor, rows: torch.Tensor, *,
+                         gather_windows: bool = False) -> WindowKV | SequenceKV:
+        """Per-sequence K/V [B, kv, T, D] as the context of block rows `rows`: read in place (training's
+        default) or, with gather_windows, copied into one window per block (the inference layout; the
+        reference twin in tests)."""
+        if not gather_windows:
+            return SequenceKV(K, V, rows, last_position, self.sliding_window)
+        view = dense_window_view(K, V, last_position, self.sliding_window, row_index=rows)
+        return gather_window(view, last_position, self.sliding_window)
 
     # ---- engine API ----
     def reset(self) -> None:
@@ -466,7 +543,7 @@ class DraftModel(nn.Module):
 
     # ---- trainer API ----
     def forward_train(self, features, input_ids: torch.Tensor, anchors: torch.Tensor,
-                      anchor_valid: torch.Tensor | None = None) -> DraftOutput:
+                      anchor_valid: torch.Tensor | None = None, *, gather_windows: bool = False) -> DraftOutput:
         """Teacher-forced forward over many anchors per sequence, in one batched call.
 
         features: TargetFeatures-like with `.hidden` [B, T, 5, d] for drafter.target_layer_ids (may be
@@ -474,7 +551,8 @@ class DraftModel(nn.Module):
         drafter.kv_layer_ids. anchors [B, A] (>= 1): anchor position a, last committed n = a-1, the block
         input is input_ids[a] + masks, slot j predicts input_ids[a+1+j] (see `block_labels`).
         anchor_valid [B, A] bool (optional): only those blocks are computed (padded anchors cost
-        nothing); the others' outputs are 0.
+        nothing); the others' outputs are 0. gather_windows: copy each block's context window out of the
+        sequence's KV (the inference layout) instead of reading it in place (`sequence_block_attention`).
         Returns logits [B, A, k, V_d] and confidence logits [B, A, k]."""
         B, T = input_ids.shape
         A = anchors.shape[1]
@@ -488,7 +566,8 @@ class DraftModel(nn.Module):
         n = a - 1
         hidden = getattr(features, "hidden", None)
         hidden_last = hidden[rows, n] if (hidden is not None and self.state_proj is not None) else None
-        contexts = self.train_contexts(hidden, getattr(features, "kv", {}) or {}, input_ids, n, rows)
+        contexts = self.train_contexts(hidden, getattr(features, "kv", {}) or {}, input_ids, n, rows,
+                                       gather_windows=gather_windows)
         h = self.backbone(input_ids[rows, a], n, hidden_last, contexts)
         k = self.block_size
         prev_pos = (a[:, None] + torch.arange(k, device=a.device)).clamp_max(T - 1)

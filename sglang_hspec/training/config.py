@@ -105,6 +105,9 @@ class TrainingSection(StrictModel):
     # throughput levers (each can be switched off to measure it: scripts/bench_train.py)
     target_probs_once: bool = True  # target softmax once per position, not once per slot reading it
     pack_anchors: bool = True  # no drafter or loss compute on padded anchors and masked slots
+    # attention reads each sequence's target KV in place for all its blocks (false: one window copied per
+    # block, the inference layout)
+    sequence_attention: bool = True
     seed: int = 0
     output_dir: str = "runs/train"
     save_every: int = 0  # 0: only the final checkpoint

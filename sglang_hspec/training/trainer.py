@@ -148,7 +148,8 @@ class DrafterLoss(nn.Module):
         """target_probs (`TargetProbs`) or, without it, full-vocabulary features.logits."""
         t = self.cfg.training
         out = self.drafter.forward_train(features, input_ids, anchors,
-                                         anchor_valid=anchor_valid if t.pack_anchors else None)
+                                         anchor_valid=anchor_valid if t.pack_anchors else None,
+                                         gather_windows=not t.sequence_attention)
         return block_loss(
             draft_logits=out.logits, confidence_logits=out.confidence_logits,
             target_logits=None if target_probs is not None else features.logits, target_probs=target_probs,

@@ -120,3 +120,33 @@ def test_outputs_ignore_target_tokens_after_n():
     # the target's KV beyond n is really different in storage: the view must not read it
     f1, f2 = target_features(target, ids), target_features(target, changed)
     assert (f1.kv[5][0][:, :, a + 3:] - f2.kv[5][0][:, :, a + 3:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind,arch", [("hspec", "qwen3"), ("hspec", "llama"), ("dflash", "qwen3")])
+def test_sequence_attention_equals_per_block_windows_with_gradients(kind, arch):
+    """Training reads each sequence's KV in place for all its blocks (`sequence_block_attention`, blocks
+    padded per sequence, context and block keys sharing one softmax); the reference twin copies one
+    window per block and runs SDPA. Same logits, confidences and parameter gradients (float64), with a
+    window shorter than the context, GQA, and sequences holding different numbers of valid blocks."""
+    target = make_target(arch)
+    ids = torch.randint(4, 128, (3, 26), generator=torch.Generator().manual_seed(4))
+    feats = target_features(target, ids)
+    model = make_drafter(kind, target, sliding_window=6).train()
+    anchors = torch.tensor([[1, 7, 12, 20], [2, 3, 9, 24], [5, 6, 18, 19]])
+    valid = torch.tensor([[True, True, True, True], [False, True, False, False], [True, False, True, True]])
+    results = []
+    for gather in (True, False):
+        model.zero_grad()
+        out = model.forward_train(feats, ids, anchors, anchor_valid=valid, gather_windows=gather)
+        weights = torch.linspace(-1, 1, out.logits.numel(), dtype=out.logits.dtype).view_as(out.logits)
+        conf = out.confidence_logits
+        ((out.logits * weights).sum() + (0 if conf is None else conf.pow(2).sum())).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out.logits.detach(), None if conf is None else conf.detach(), grads))
+    (ref_logits, ref_conf, ref_grads), (logits, conf, grads) = results
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)  # the heads compute in float32
+    torch.testing.assert_close(conf, ref_conf, rtol=1e-6, atol=1e-6)
+    assert set(grads) == set(ref_grads) and any(n.endswith("q_proj.weight") for n in grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7 * g.abs().max().item() + 1e-12, msg=name)
+    assert logits[1, 0].abs().max() == 0 and logits[1, 1].abs().max() > 0  # invalid blocks stay 0

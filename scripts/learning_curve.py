@@ -1,0 +1,219 @@
+"""Held-out tau against training blocks seen, for several drafter kinds trained with one recipe.
+
+    python scripts/learning_curve.py --out runs/curve_sharegpt --data data/smollm2_prompts/train.jsonl
+        [--kinds hspec,dspark] [--points 38,75,150,300,600,1200,2400] [--max-steps 3000]
+        [--limit 4] [--max-new-tokens 64] [section.key=value ...]
+
+Each kind trains once over the whole `--max-steps` schedule (configs/train_<kind>_smollm2.yaml plus the
+overrides; cosine learning rate over --max-steps, so intermediate points are not annealed), in slices:
+`hspec train ... training.stop_after=<point> training.resume_from=auto`. At every point all kinds are
+evaluated together by one `hspec eval --drafter <first> --compare <others>` (MT-Bench, GSM8K and
+HumanEval first turns, T=0, block_size 7, one plain baseline per prompt shared by the kinds), and the
+point is appended to <out>/curve.json. Kill it at any time: a rerun skips the finished points and resumes
+the training slice from its last checkpoint (data regeneration and benchmarks should not share the cores).
+
+Writes <out>/curve.json, <out>/curve.md (pooled tau per point, the ratio of each kind to the last kind,
+the least-squares slope per doubling of blocks) and <out>/curve.png. Prints the CPU, its flags and dtype.
+Only the newest trainer state is kept; every evaluated point keeps its drafter directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from sglang_hspec.core.atomic import atomic_write_text
+from sglang_hspec.target.dtypes import cpu_flags, cpu_model
+from sglang_hspec.training.eval import pooled_tau
+
+DATASETS = "mtbench,gsm8k,humaneval"
+
+
+def machine() -> dict:
+    import torch
+
+    flags = cpu_flags()
+    return {"cpu": cpu_model(), "flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+            "torch_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count()}
+
+
+def blocks_seen(run_dir: Path, step: int) -> tuple[int, int]:
+    """(anchored blocks, tokens) summed over steps 1..step of the run's train_log.jsonl (log_every=1)."""
+    blocks = tokens = seen = 0
+    for line in (run_dir / "train_log.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["step"] <= step:
+            blocks, tokens, seen = blocks + row["blocks"], tokens + row["tokens"], seen + 1
+    if seen != step:
+        raise RuntimeError(f"{run_dir}/train_log.jsonl holds {seen} of steps 1..{step}; the curve needs every "
+                           "step logged (training.log_every=1): delete the run directory and rerun")
+    return blocks, tokens
+
+
+def prune_states(run_dir: Path, keep: int) -> None:
+    """Drop the optimizer/RNG state of every checkpoint but `keep` (each is ~0.3 GB; the drafter stays)."""
+    for ckpt in run_dir.glob("checkpoint-*"):
+        if ckpt.name != f"checkpoint-{keep}" and (ckpt / "trainer_state.pt").exists():
+            (ckpt / "trainer_state.pt").unlink()
+
+
+def slopes(points: list[dict], kind: str) -> float | None:
+    """Least-squares pooled tau per doubling of blocks (None with fewer than two points)."""
+    xy = [(math.log2(p["kinds"][kind]["blocks"]), p["kinds"][kind]["pooled_tau"]) for p in points
+          if kind in p["kinds"]]
+    if len(xy) < 2:
+        return None
+    mx, my = sum(x for x, _ in xy) / len(xy), sum(y for _, y in xy) / len(xy)
+    var = sum((x - mx) ** 2 for x, _ in xy)
+    return sum((x - mx) * (y - my) for x, y in xy) / var if var else None
+
+
+def write_report(out: Path, state: dict) -> None:
+    kinds, points = state["kinds"], state["points"]
+    ref = kinds[-1]
+    lines = [f"Machine: {state['machine']['cpu']}, {state['machine']['cores']} cores, flags "
+             f"{' '.join(state['machine']['flags']) or 'none'}, dtype {state.get('dtype', '?')}; data "
+             f"{state['data']}; eval: {DATASETS}, {state['limit']} prompts each x {state['max_new_tokens']} "
+             "tokens, T=0, block_size 7.", "",
+             "| step | " + " | ".join(f"{k} blocks | {k} tau | {k} train h" for k in kinds)
+             + "".join(f" | {k}/{ref}" for k in kinds[:-1]) + " |",
+             "|---|" + "---|---|---|" * len(kinds) + "---|" * (len(kinds) - 1)]
+    for p in points:
+        cells = []
+        for k in kinds:
+            r = p["kinds"][k]
+            cells.append(f"{r['blocks']:,} | {r['pooled_tau']:.3f} | {r['train_seconds'] / 3600:.2f}")
+        ratios = [f"{p['kinds'][k]['pooled_tau'] / p['kinds'][ref]['pooled_tau']:.3f}" for k in kinds[:-1]]
+        lines.append(f"| {p['step']} | " + " | ".join(cells) + "".join(f" | {r}" for r in ratios) + " |")
+    lines.append("")
+    for k in kinds:
+        s = slopes(points, k)
+        lines.append(f"- {k}: {'n/a' if s is None else f'{s:+.3f}'} pooled tau per doubling of blocks")
+    atomic_write_text(out / "curve.md", "\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k in kinds:
+        xs = [p["kinds"][k]["blocks"] for p in points]
+        ys = [p["kinds"][k]["pooled_tau"] for p in points]
+        s = slopes(points, k)
+        ax.plot(xs, ys, marker="o", label=k if s is None else f"{k} ({s:+.3f} / doubling)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training blocks seen")
+    ax.set_ylabel("held-out pooled tau (T=0, k=7)")
+    ax.set_title(f"learning curve, {state['machine']['cpu']}, {state.get('dtype', '?')}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out / ".curve.png.tmp"
+    fig.savefig(tmp, dpi=120, format="png")
+    os.replace(tmp, out / "curve.png")
+
+
+def run(cmd: list[str], log: Path) -> None:
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise SystemExit(f"{cmd[2]} failed (exit {rc}); see {log}. Fix it and rerun: finished points are kept")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--data", required=True, help="data.train_path (JSONL from `hspec data build` / `regenerate`)")
+    ap.add_argument("--kinds", default="hspec,dspark", help="comma-separated model.kind values; the last is the "
+                    "reference of the ratios")
+    ap.add_argument("--points", default="38,75,150,300,600,1200,2400", help="steps at which to evaluate")
+    ap.add_argument("--max-steps", type=int, default=3000, help="training.max_steps: the schedule's length")
+    ap.add_argument("--limit", type=int, default=4, help="prompts per eval dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides for every kind")
+    args = ap.parse_args(argv)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    points = sorted({int(p) for p in args.points.split(",")})
+    if not kinds or not points or points[0] < 1 or points[-1] > args.max_steps:
+        ap.error(f"--kinds must name at least one kind and --points lie in 1..--max-steps={args.max_steps}")
+    for k in kinds:
+        if not Path(f"configs/train_{k}_smollm2.yaml").is_file():
+            ap.error(f"--kinds {k}: configs/train_{k}_smollm2.yaml does not exist")
+    if not Path(args.data).is_file():
+        ap.error(f"--data {args.data} does not exist; build it with `hspec data build`")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / "curve.json"
+    settings = {"kinds": kinds, "data": args.data, "max_steps": args.max_steps, "limit": args.limit,
+                "max_new_tokens": args.max_new_tokens, "overrides": args.overrides}
+    if state_path.exists():
+        state = json.loads(state_path.read_text())
+        old = {k: state.get(k) for k in settings}
+        if old != settings:
+            raise SystemExit(f"{state_path} was made with {old}, not {settings}: use another --out or the same flags")
+    else:
+        state = {**settings, "machine": machine(), "points": []}
+    from sglang_hspec.target.dtypes import resolve_dtype
+
+    state["dtype"] = str(resolve_dtype("auto", "cpu")).replace("torch.", "")
+    print(f"cpu: {state['machine']['cpu']} | flags: {' '.join(state['machine']['flags'])} | dtype {state['dtype']} | "
+          f"kinds {kinds} | points {points} of {args.max_steps} steps", flush=True)
+    done = {p["step"] for p in state["points"]}
+    hspec = [sys.executable, "-m", "sglang_hspec.cli"]
+    log = out / "curve.log"
+    for step in tqdm(points, desc="learning curve", unit="point", initial=0):
+        if step in done:
+            continue
+        record = {"step": step, "kinds": {}}
+        for k in kinds:
+            run_dir = out / k
+            t0 = time.perf_counter()
+            run([*hspec, "train", "--config", f"configs/train_{k}_smollm2.yaml", f"data.train_path={args.data}",
+                 "data.feature_cache=null", f"training.max_steps={args.max_steps}", f"training.stop_after={step}",
+                 "training.resume_from=auto", f"training.output_dir={run_dir}", "training.save_every=0",
+                 "training.log_every=1", *args.overrides], log)
+            spent = state.setdefault("train_seconds", {}).get(k, 0.0) + time.perf_counter() - t0
+            state["train_seconds"][k] = spent
+            atomic_write_text(state_path, json.dumps(state, indent=1) + "\n")  # the time survives a kill
+            prune_states(run_dir, keep=step)
+            blocks, tokens = blocks_seen(run_dir, step)
+            record["kinds"][k] = {"blocks": blocks, "tokens": tokens, "train_seconds": spent,
+                                  "checkpoint": str(run_dir / f"checkpoint-{step}")}
+        eval_json = out / f"eval_{step}.json"
+        drafters = [f"{record['kinds'][k]['checkpoint']}" for k in kinds]
+        cmd = [*hspec, "eval", "--drafter", drafters[0], "--datasets", DATASETS, "--limit", str(args.limit),
+               "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0", "--out", str(eval_json),
+               "--no-progress"]
+        for d in drafters[1:]:
+            cmd += ["--compare", d]
+        run(cmd, log)
+        payload = json.loads(eval_json.read_text())
+        payloads = payload["runs"] if "runs" in payload else [payload]
+        for k, p in zip(kinds, payloads):
+            rows = [r for r in p["results"] if r["temperature"] == 0.0]
+            record["kinds"][k].update(pooled_tau=pooled_tau(p, 0.0), tau={r["dataset"]: r["tau"] for r in rows},
+                                      identical=all(r["identical_to_plain"] for r in rows))
+        state["points"].append(record)
+        atomic_write_text(state_path, json.dumps(state, indent=1) + "\n")
+        write_report(out, state)
+        print(" | ".join(f"step {step}", *(f"{k} {record['kinds'][k]['blocks']:,} blocks tau "
+                                           f"{record['kinds'][k]['pooled_tau']:.3f}" for k in kinds)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
