@@ -79,6 +79,8 @@ class DataSection(StrictModel):
     # later epoch and run on the same target and data; see sglang_hspec/training/features.py for its size)
     feature_cache: str | None = None
     feature_cache_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 halves the disk; fp32 keeps the loss exact
+    # tokenized train_path kept under $HSPEC_CACHE_DIR/examples (by a hash of the file, tokenizer, max_length)
+    tokenized_cache: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> DataSection:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from sglang_hspec.core.atomic import atomic_write_text
 from sglang_hspec.target.dtypes import bf16_is_fast
 from sglang_hspec.training.config import TrainConfig, check_against_target, check_block_size, load_config
-from sglang_hspec.training.data import load_examples, patterned_examples, read_jsonl
+from sglang_hspec.training.data import load_examples, load_examples_cached, patterned_examples
 from sglang_hspec.training.losses import (
     block_loss,
     position_weights,
@@ -241,15 +241,19 @@ def _device(cfg: TrainConfig) -> torch.device:
     return torch.device(d)
 
 
-def _load_examples(cfg: TrainConfig, tokenizer) -> list[dict[str, Any]]:
+def _load_examples(cfg: TrainConfig, tokenizer, *, progress: bool = False) -> list[dict[str, Any]]:
+    from sglang_hspec.assets.embedded import default_cache_dir
+
     d = cfg.data
     if d.synthetic is not None:
-        recs = patterned_examples(**d.synthetic.model_dump())
+        examples = load_examples(patterned_examples(**d.synthetic.model_dump()), tokenizer=tokenizer,
+                                 max_length=d.max_length)
     else:
         if not Path(d.train_path).is_file():
             raise FileNotFoundError(f"data.train_path {d.train_path} not found; build it with `hspec data build`")
-        recs = read_jsonl(d.train_path)
-    examples = load_examples(recs, tokenizer=tokenizer, max_length=d.max_length)
+        examples = load_examples_cached(d.train_path, tokenizer=tokenizer, max_length=d.max_length,
+                                        cache_dir=default_cache_dir() / "examples" if d.tokenized_cache else None,
+                                        progress=progress)
     if not examples:
         raise ValueError("no training example has an assistant token to anchor on; check the data and its loss mask")
     return examples
@@ -290,7 +294,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     from sglang_hspec.target.adapter import TargetAdapter
 
     adapter = TargetAdapter(target)
-    examples = _load_examples(cfg, tokenizer)
+    examples = _load_examples(cfg, tokenizer, progress=progress and rank == 0)
 
     resume = t.resume_from
     if resume == "auto":

@@ -9,6 +9,7 @@ from sglang_hspec.training.data import (
     code_records,
     in_heldout,
     load_examples,
+    load_examples_cached,
     patterned_examples,
     read_jsonl,
     tokenize_conversation,
@@ -93,3 +94,37 @@ def test_pretokenized_and_patterned_examples():
     assert len(out) == 3 and all(len(e["input_ids"]) == 12 for e in out)
     with pytest.raises(ValueError, match="need the target's tokenizer"):
         load_examples([{"id": "c", "conversations": CONV}], tokenizer=None, max_length=10)
+
+
+def test_tokenized_examples_cache_returns_the_same_examples_and_follows_the_file(chat_tokenizer, tmp_path,
+                                                                                   monkeypatch):
+    """The cache gives back exactly what tokenizing gives, is read (not re-tokenized) the second time,
+    and a changed file or max_length, or a damaged entry, tokenizes afresh."""
+    import sglang_hspec.training.data as data
+
+    path = tmp_path / "train.jsonl"
+    convs = [CONV, CONV[:3], [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "fine you"}]]
+    path.write_text("".join(json.dumps({"id": f"c{i}", "conversations": c}) + "\n" for i, c in enumerate(convs)))
+    cache = tmp_path / "cache"
+    full = load_examples(read_jsonl(path), tokenizer=chat_tokenizer, max_length=4096)
+    cut = max(len(e["input_ids"]) for e in full) - 6
+    want = load_examples(read_jsonl(path), tokenizer=chat_tokenizer, max_length=cut)
+    assert len(want) == 3 and max(len(e["input_ids"]) for e in want) == cut
+    assert load_examples_cached(path, tokenizer=chat_tokenizer, max_length=cut, cache_dir=cache) == want
+    (entry,) = cache.glob("train-*.pt")
+
+    calls = []
+    real = data.tokenize_conversation
+    monkeypatch.setattr(data, "tokenize_conversation", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert load_examples_cached(path, tokenizer=chat_tokenizer, max_length=cut, cache_dir=cache) == want
+    assert calls == [1]  # only the tokenizer fingerprint's probe: the examples came from the cache
+    assert load_examples_cached(path, tokenizer=chat_tokenizer, max_length=4096, cache_dir=cache) == full
+    assert len(list(cache.glob("train-*.pt"))) == 2
+    entry.write_bytes(b"damaged")
+    calls.clear()
+    assert load_examples_cached(path, tokenizer=chat_tokenizer, max_length=cut, cache_dir=cache) == want
+    assert len(calls) > 1  # rebuilt
+    with path.open("a") as f:
+        f.write(json.dumps({"id": "c9", "conversations": CONV[1:3]}) + "\n")
+    again = load_examples_cached(path, tokenizer=chat_tokenizer, max_length=cut, cache_dir=cache)
+    assert [e["id"] for e in again] == ["c0", "c1", "c2", "c9"]
