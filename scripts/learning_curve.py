@@ -16,7 +16,8 @@ the training slice from its last checkpoint (data regeneration and benchmarks sh
 
 Writes <out>/curve.json, <out>/curve.md (pooled tau per point, the ratio of each kind to the last kind,
 the least-squares slope per doubling of blocks) and <out>/curve.png. Prints the CPU, its flags and dtype.
-Only the newest trainer state is kept; every evaluated point keeps its drafter directory.
+Slices checkpoint every 25 steps, so a kill loses at most 25 steps; after each slice only the newest
+trainer state is kept, and every checkpoint keeps its drafter directory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,11 +62,16 @@ def blocks_seen(run_dir: Path, step: int) -> tuple[int, int]:
     return blocks, tokens
 
 
-def prune_states(run_dir: Path, keep: int) -> None:
-    """Drop the optimizer/RNG state of every checkpoint but `keep` (each is ~0.3 GB; the drafter stays)."""
+def prune_states(run_dir: Path, keep: int, points: list[int]) -> None:
+    """Keep checkpoint `keep` whole and the drafters of the curve's points; drop the other checkpoints and
+    the optimizer/RNG state of the points (~0.3 GB each)."""
     for ckpt in run_dir.glob("checkpoint-*"):
-        if ckpt.name != f"checkpoint-{keep}" and (ckpt / "trainer_state.pt").exists():
-            (ckpt / "trainer_state.pt").unlink()
+        if ckpt.name == f"checkpoint-{keep}":
+            continue
+        if ckpt.name in {f"checkpoint-{p}" for p in points}:
+            (ckpt / "trainer_state.pt").unlink(missing_ok=True)
+        else:
+            shutil.rmtree(ckpt)
 
 
 def slopes(points: list[dict], kind: str) -> float | None:
@@ -192,18 +199,19 @@ def main(argv: list[str] | None = None) -> int:
             continue
         record = {"step": step, "kinds": {}}
         t0 = time.perf_counter()
+        todo = [k for k in kinds if not (out / k / f"checkpoint-{step}" / "drafter" / "model.safetensors").is_file()]
         run([[*hspec, "train", "--config", f"configs/train_{k}_smollm2.yaml", f"data.train_path={args.data}",
               "data.feature_cache=null", f"training.max_steps={args.max_steps}", f"training.stop_after={step}",
-              "training.resume_from=auto", f"training.output_dir={out / k}", "training.save_every=0",
-              "training.log_every=1", *args.overrides] for k in kinds],
-            [out / f"train_{k}.log" for k in kinds], threads=max(1, (os.cpu_count() or 1) // len(kinds)))
+              "training.resume_from=auto", f"training.output_dir={out / k}", "training.save_every=25",
+              "training.log_every=1", *args.overrides] for k in todo],
+            [out / f"train_{k}.log" for k in todo], threads=max(1, (os.cpu_count() or 1) // len(kinds)))
         spent = time.perf_counter() - t0
         for k in kinds:  # wall time of the slices, the kinds side by side on one core each
-            state.setdefault("train_seconds", {})[k] = state.get("train_seconds", {}).get(k, 0.0) + spent
-            prune_states(out / k, keep=step)
+            state.setdefault("train_seconds", {})[k] = state.get("train_seconds", {}).get(k, 0.0) + spent * (k in todo)
+            prune_states(out / k, keep=step, points=points)
             blocks, tokens = blocks_seen(out / k, step)
             record["kinds"][k] = {"blocks": blocks, "tokens": tokens, "train_seconds": state["train_seconds"][k],
-                                  "checkpoint": str(out / k / f"checkpoint-{step}")}
+                                  "checkpoint": str(out / k / f"checkpoint-{step}" / "drafter")}
         atomic_write_text(state_path, json.dumps(state, indent=1) + "\n")  # the time survives a kill
         eval_json = out / f"eval_{step}.json"
         drafters = [f"{record['kinds'][k]['checkpoint']}" for k in kinds]
@@ -222,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         state["points"].append(record)
         atomic_write_text(state_path, json.dumps(state, indent=1) + "\n")
         write_report(out, state)
-        print(" | ".join(f"step {step}", *(f"{k} {record['kinds'][k]['blocks']:,} blocks tau "
-                                           f"{record['kinds'][k]['pooled_tau']:.3f}" for k in kinds)), flush=True)
+        print(" | ".join([f"step {step}", *(f"{k} {record['kinds'][k]['blocks']:,} blocks tau "
+                                            f"{record['kinds'][k]['pooled_tau']:.3f}" for k in kinds)]), flush=True)
     return 0
 
 
