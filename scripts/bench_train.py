@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_hspec.target.dtypes import bf16_is_fast, cpu_flags, cpu_model, resolve_dtype
+from sglang_hspec.target.dtypes import SPEED_FLAGS, bf16_is_fast, cpu_flags, cpu_model, resolve_dtype
 from sglang_hspec.training.config import load_config
 from sglang_hspec.training.trainer import train
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base_cfg = load_config(args.config, common)
     flags = cpu_flags()
-    print(f"cpu: {cpu_model()} | flags: {' '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f in flags)}"
+    print(f"cpu: {cpu_model()} | flags: {' '.join(f for f in SPEED_FLAGS if f in flags)}"
           f" | torch capability {torch.backends.cpu.get_cpu_capability()} | threads {torch.get_num_threads()}"
           f" | load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     dtype = resolve_dtype(base_cfg.model.target_dtype, "cpu")

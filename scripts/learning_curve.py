@@ -35,7 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from sglang_hspec.core.atomic import atomic_write_text
-from sglang_hspec.target.dtypes import cpu_flags, cpu_model
+from sglang_hspec.target.dtypes import SPEED_FLAGS, cpu_flags, cpu_model
 from sglang_hspec.training.eval import pooled_tau
 
 DATASETS = "mtbench,gsm8k,humaneval"
@@ -45,7 +45,7 @@ def machine() -> dict:
     import torch
 
     flags = cpu_flags()
-    return {"cpu": cpu_model(), "flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+    return {"cpu": cpu_model(), "flags": [f for f in SPEED_FLAGS if f in flags],
             "torch_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count()}
 
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from sglang_hspec.target.dtypes import cpu_flags, cpu_model
+from sglang_hspec.target.dtypes import describe_machine
 from sglang_hspec.training import trainer
 from sglang_hspec.training.config import load_config
 from sglang_hspec.training.losses import block_loss, sample_anchors, slot_mask
@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         feats, probs = trainer._target_side(cfg, adapter, drafter, None, batch, ids, lengths)
     t = cfg.training
-    print(f"cpu: {cpu_model()} | flags: {' '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f in cpu_flags())}"
-          f" | threads {torch.get_num_threads()} | dtype {adapter.dtype} | {cfg.model.kind}: {int(valid.sum())} valid blocks"
+    print(f"{describe_machine()} | dtype {adapter.dtype} | {cfg.model.kind}: {int(valid.sum())} valid blocks"
           f" of {cfg.model.block_size} tokens, sequences {tuple(ids.shape)}")
 
     def step(gather: bool) -> None:
