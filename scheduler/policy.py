@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import torch
 
-from . import planner, switch
+from . import fused, planner, switch
 from .sps import SpsCurve, SpsTable
 
 logger = logging.getLogger(__name__)
@@ -255,7 +255,8 @@ class AutoPolicy(_SpsPolicy):
         self.probe_interval = probe_interval
         self.last_decision: switch.SpeculationDecision | None = None
         self._k: int | None = None
-        # host state, numpy (the decision runs every step: one numpy op costs ~1 us, a torch op several)
+        # host state, numpy, read by the compiled passes of fused.py (the decision runs every step: one numpy
+        # call costs ~1 us, a torch op several; the passes do a step's work in one call each)
         self._conf = np.zeros((0, 0))  # [k, slots] last matured confidences (slot-major: contiguous per slot j)
         self._gen = np.full(0, -1, dtype=np.int64)  # generation those belong to (-1: none)
         self._drafted_at = np.full(0, _NEVER, dtype=np.int64)  # step of the slot's last draft
@@ -264,12 +265,16 @@ class AutoPolicy(_SpsPolicy):
         self._accepted = np.zeros(0)
         self._predicted = np.zeros(0)
         self._ratios = np.zeros(0)
-        self._prior: np.ndarray | None = None  # running mean of matured confidences, per slot
+        self._prior = np.zeros(0)  # running mean of matured confidences, per slot (once _has_prior)
+        self._has_prior = False
         self._last_draft_step = _NEVER
         self._probes = self._spec_steps = 0
         self._clock = 0  # steps decided so far (decide() owns it)
         self._rows_cache: dict[int, torch.Tensor] = {}  # n -> arange(n): the rows of a step that drafts all
         self._planned: tuple[torch.Tensor, np.ndarray] | None = None  # plan()'s input and its [k, B] host copy
+        self._scratch = np.empty(0)  # survival_pass's survivals
+        self._decided_ids: tuple | None = None
+        fused.warm_up()
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -277,6 +282,7 @@ class AutoPolicy(_SpsPolicy):
         if k is not None and self._k is None:
             self._k = k
             self._conf = np.zeros((k, self._conf.shape[1]))
+            self._prior = np.zeros(k)
             self._accepted, self._predicted = np.zeros(k), np.zeros(k)
             self._ratios = np.ones(k)
         elif k is not None and k != self._k:
@@ -295,19 +301,13 @@ class AutoPolicy(_SpsPolicy):
     def _mature(self, step: int) -> None:
         while self._pending and self._pending[0][0] <= step - self.lag:
             _, slots, gens, conf = self._pending.popleft()  # conf [k, rows]
-            self._conf[:, slots] = conf
-            self._gen[slots] = gens
-            if conf.size:  # running per-slot mean: the estimate for a batch of requests never drafted
-                mean = conf.sum(1) * (1.0 / conf.shape[1])
-                self._prior = mean if self._prior is None else 0.9 * self._prior + 0.1 * mean
-        changed = False
+            # also the running per-slot mean: the estimate for a batch of requests never drafted
+            self._has_prior |= fused.mature_pass(self._conf, self._gen, slots, gens, conf, self._prior,
+                                                 self._has_prior)
         while self._pending_audit and self._pending_audit[0][0] <= step - self.lag:
             _, acc, pred = self._pending_audit.popleft()
-            self._accepted = self._accepted * self.audit_decay + acc
-            self._predicted = self._predicted * self.audit_decay + pred
-            changed = True
-        if changed:
-            self._ratios = (self._accepted + self.audit_prior) / (self._predicted + self.audit_prior)
+            fused.fold_audit(self._accepted, self._predicted, acc, pred, self.audit_decay, self.audit_prior,
+                             self._ratios)
 
     def audit_ratios(self) -> torch.Tensor:
         """rho_j = (accepted_j + prior) / (predicted_j + prior), over matured outcomes."""
@@ -320,40 +320,46 @@ class AutoPolicy(_SpsPolicy):
                 raise ValueError(f"{name} must be a [B={confidences_rows}] long tensor, got {tuple(t.shape)} "
                                  f"{t.dtype}")
         s, g = slot_ids.cpu().numpy(), generations.cpu().numpy()
-        if s.size and s.min() < 0:
+        if not s.size:
+            return s, g, 0
+        low, high = fused.index_bounds(s)
+        if low < 0:
             raise ValueError("slot_ids must be >= 0")
-        return s, g
+        return s, g, int(high) + 1
 
     # ---- the three calls -----------------------------------------------------------------------
 
     def decide(self, *, slot_ids: torch.Tensor, generations: torch.Tensor):
         """(SpeculationDecision, batch positions to draft [D] long, ascending)."""
         n = slot_ids.shape[0]
-        s, g = self._host_ids(n, slot_ids, generations)
+        s, g, slots = self._host_ids(n, slot_ids, generations)
+        self._decided_ids = (slot_ids, generations, s, g, slots)  # plan() of an all-rows step reuses them
         step = self._clock
         self._clock += 1
-        self._ensure(slots=int(s.max()) + 1 if n else 0, k=None)
+        self._ensure(slots=slots, k=None)
         self._mature(step)
-        known = self._gen.take(s) == g
-        num_known = int(np.count_nonzero(known))
-        num_known_estimates = 0
-        if self._k is None:  # nothing drafted yet: survivals are unknown, width irrelevant
-            survival = np.zeros((n, 0))
-        elif num_known == 0 and self._prior is not None and n:
-            # only new requests (e.g. one at a time): what earlier requests' drafts looked like
-            survival = switch.estimated_survival_numpy(confidences=np.tile(self._prior, (n, 1)),
-                                                       known=np.ones(n, dtype=bool), ratios=self._ratios)
-            num_known_estimates = n
+        k = self._k or 0
+        if n and k:
+            verify = self.costs.verify_seconds_upto(end=n * (k + 1) + 1, num_reqs=n)
+            if self._scratch.size < n * k:
+                self._scratch = np.empty(2 * n * k)
+            num_known, _, best_n, best_rate = fused.best_speculation(
+                self._conf, self._gen, s, g, self._ratios, self._prior, self._has_prior, verify,
+                self.costs.draft_seconds(n), 0.0, self._scratch)
         else:
-            survival = switch.estimated_survival_slot_major(self._conf.take(s, axis=1), known=known, num_known=num_known,
-                                                            ratios=self._ratios).T  # [N, k] view
-        decision = switch.decide_speculation_numpy(
-            survival=survival, costs=self.costs, known_rows=max(num_known, num_known_estimates),
-            steps_since_draft=step - self._last_draft_step, probe_interval=self.probe_interval,
-            probe_rows=self.probe_rows, margin=self.margin, min_survival=0.0)
+            num_known = int(np.count_nonzero(self._gen.take(s) == g))
+            best_n, best_rate = 0, 0.0
+        if n:
+            decision = switch.decision_from_best(
+                num_reqs=n, best_n=best_n, best_rate=best_rate, plain_rate=n * self.costs.plain_steps_per_sec(n),
+                steps_since_draft=step - self._last_draft_step, probe_interval=self.probe_interval,
+                probe_rows=self.probe_rows, margin=self.margin)
+        else:
+            decision = switch.SpeculationDecision(False, 0, False, 0, 0, 0.0, 0.0)
         self.probe_interval = switch.next_probe_interval(decision=decision, probe_interval=self.probe_interval,
                                                          initial=self.initial_interval, maximum=self.max_interval)
         if decision.probe:  # the rows whose information is oldest (never drafted first), then lower index
+            known = self._gen.take(s) == g
             age = step - np.where(known, self._drafted_at[s], _NEVER)
             rows = torch.from_numpy(np.sort(np.argsort(-age, kind="stable")[: decision.draft_rows]))
         elif decision.speculate:
@@ -384,31 +390,36 @@ class AutoPolicy(_SpsPolicy):
         if confidences.dim() != 2:
             raise ValueError(f"confidences must be [B, k], got shape {tuple(confidences.shape)}")
         b, k = confidences.shape
-        s, g = self._host_ids(b, slot_ids, generations)
+        ids = self._decided_ids
+        if ids is not None and ids[0] is slot_ids and ids[1] is generations:  # the tensors decide() just read
+            s, g, slots = ids[2:]
+        else:
+            s, g, slots = self._host_ids(b, slot_ids, generations)
         decision = self.last_decision
         if decision is None or not decision.speculate:
             raise ValueError("AutoPolicy.plan: call decide() first, and draft only when it says speculate")
-        # [k, B] float64, a copy: the pending snapshot owns it
-        conf = np.array(confidences.detach().cpu().numpy().T, dtype=np.float64, order="C")
-        if conf.size and not (conf.min() >= 0.0 and conf.max() <= 1.0):  # NaN fails too
+        if self._k is not None and k != self._k:
+            raise ValueError(f"AutoPolicy was planning k={self._k} slots, got k={k}")
+        conf = np.empty((k, b))  # [k, B] float64, a copy: the pending snapshot owns it
+        lengths = np.empty(b, dtype=np.int64)
+        ratios = self._ratios if self._k is not None else np.ones(k)
+        self._ensure(slots=slots, k=None)
+        step = self._clock - 1
+        host = confidences if not confidences.is_cuda else confidences.cpu()
+        total = fused.plan_pass((host.detach() if host.requires_grad else host).numpy(), ratios, decision.budget,
+                                conf, lengths, s, self._drafted_at, step)
+        if total < 0:
             raise ValueError("confidences must be calibrated probabilities in [0, 1] (apply sigmoid/STS to the raw "
                              "confidence logits first); got values outside [0, 1] or NaN")
-        self._ensure(slots=int(s.max()) + 1 if b else 0, k=k)
-        step = self._clock - 1
+        if self._k is None:
+            self._ensure(slots=0, k=k)
         self._pending.append((step, s.copy(), g.copy(), conf))
-        self._drafted_at[s] = step
         self._planned = (confidences, conf)
-        if decision.budget > 0 and b and k:
-            current = np.minimum(conf * self._ratios[:, None], 1.0)
-            switch.cumprod_rows(current)
-            lengths = planner.topk_lengths_slot_major(current.ravel(), num_reqs=b, budget=decision.budget,
-                                                      min_survival=0.0, all_admissible=True)
-        else:
-            lengths = np.zeros(b, dtype=np.int64)
         if decision.probe and k:  # a probe verifies at least one draft per drafted row (feeds the audit)
             np.maximum(lengths, 1, out=lengths)
+            total = int(lengths.sum())
         self._steps += 1
-        self._last = int(lengths.sum())
+        self._last = total
         self._total += self._last
         lengths = torch.from_numpy(lengths)
         return lengths if confidences.device.type == "cpu" else lengths.to(confidences.device)
@@ -420,8 +431,9 @@ class AutoPolicy(_SpsPolicy):
             return
         planned = self._planned
         if planned is not None and planned[0] is confidences:  # plan's host copy, [k, B]
-            acc, pred = switch.audit_counts_slot_major(planned[1], verify_lengths=verify_lengths.cpu().numpy(),
-                                                       num_accepted=num_accepted.cpu().numpy())
+            acc, pred = np.empty(planned[1].shape[0]), np.empty(planned[1].shape[0])
+            fused.audit_pass(planned[1], verify_lengths.cpu().numpy().astype(np.int64, copy=False),
+                             num_accepted.cpu().numpy().astype(np.int64, copy=False), acc, pred)
         else:
             acc, pred = (t.numpy() for t in switch.audit_counts(
                 confidences=confidences, verify_lengths=verify_lengths, num_accepted=num_accepted))

@@ -91,6 +91,12 @@ class StepCosts:
             self._verify_reqs = num_reqs
         return self._verify_seconds[start : start + count]
 
+    def verify_seconds_upto(self, *, end: int, num_reqs: int) -> np.ndarray:
+        """The cached verify seconds indexed by batch tokens, at least `end` long (AutoPolicy's
+        compiled decision reads it whole)."""
+        self.verify_seconds_range(start=0, count=end, num_reqs=num_reqs)
+        return self._verify_seconds
+
     def scalar_fn(self) -> SpsFn:
         """The plain-Python verify lookup the reference twins use."""
         return lambda batch_tokens, num_reqs: self.sps.scalar(batch_tokens=batch_tokens, num_reqs=num_reqs)
@@ -161,6 +167,15 @@ def decide_speculation_numpy(
         rate = tau / (costs.draft_seconds(num_reqs) + seconds)
         best_n = int(np.argmax(rate))
         best_rate = float(rate[best_n])
+    return decision_from_best(num_reqs=num_reqs, best_n=best_n, best_rate=best_rate, plain_rate=plain_rate,
+                              steps_since_draft=steps_since_draft, probe_interval=probe_interval,
+                              probe_rows=probe_rows, margin=margin)
+
+
+def decision_from_best(*, num_reqs: int, best_n: int, best_rate: float, plain_rate: float, steps_since_draft: int,
+                       probe_interval: int, probe_rows: int, margin: float) -> SpeculationDecision:
+    """The switch once the best speculative rate is known: speculate when it beats plain decoding by
+    the margin, else probe when due, else decode plainly."""
     if best_n > 0 and best_rate > (1.0 + margin) * plain_rate:
         return SpeculationDecision(True, best_n, False, num_reqs, best_n, best_rate, plain_rate)
     if steps_since_draft >= probe_interval:

@@ -18,9 +18,11 @@ batches: a lever that keeps it equal changes the speed only). Rows:
   feature_cache       target features read back from data.feature_cache (built by a cold run first, whose
                       time and disk cost are printed); the target's LM head still runs on final_hidden
   anchors_512         more anchors per target forward (data.num_anchors=512; changes the batch, so the loss)
-  bf16                bf16 target and autocast, only where the CPU computes bf16 natively
+  bf16                bf16 target and autocast, only where the CPU computes bf16 natively (every other row
+                      pins fp32, which the recipe's `auto` would not pick on such a CPU)
   all_exact           target_probs_once + pack_anchors + sequence_attention + feature_cache (loss unchanged
                       up to float rounding)
+  all_exact + bf16    and bf16 (its own bf16 feature cache: a bf16 target is another target to the cache)
   all + anchors_512   and more anchors per target forward
   init=target_layers  all_exact with the drafter initialised from the target's layers (loss-slope lever)
 
@@ -46,8 +48,12 @@ from sglang_hspec.target.dtypes import SPEED_FLAGS, bf16_is_fast, cpu_flags, cpu
 from sglang_hspec.training.config import load_config
 from sglang_hspec.training.trainer import train
 
-BASELINE = ["training.target_probs_once=false", "training.pack_anchors=false", "training.sequence_attention=false"]
-EXACT = ["training.target_probs_once=true", "training.pack_anchors=true", "training.sequence_attention=true"]
+# fp32 pinned: the recipe's `auto` dtypes pick bf16 where it is native, which is a lever of its own here
+FP32 = ["model.target_dtype=fp32", "training.bf16=false"]
+BF16 = ["model.target_dtype=bf16", "training.bf16=true"]
+BASELINE = ["training.target_probs_once=false", "training.pack_anchors=false", "training.sequence_attention=false",
+            *FP32]
+EXACT = ["training.target_probs_once=true", "training.pack_anchors=true", "training.sequence_attention=true", *FP32]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,18 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_length:
         common.append(f"data.max_length={args.max_length}")
     cache = [f"data.feature_cache={cache_dir}"]
+    # a bf16 target is another target to the cache (its fingerprint differs): a cache of its own, stored in bf16
+    cache_bf16 = [f"data.feature_cache={out / 'feature_cache_bf16'}", "data.feature_cache_dtype=bf16"]
     native_bf16 = bf16_is_fast("cpu")
     rows = [
         ("baseline", BASELINE),
         ("target_probs_once", ["training.target_probs_once=true", "training.pack_anchors=false",
-                               "training.sequence_attention=false"]),
+                               "training.sequence_attention=false", *FP32]),
         ("pack_anchors", ["training.target_probs_once=false", "training.pack_anchors=true",
-                          "training.sequence_attention=false"]),
-        ("sequence_attention", BASELINE[:2] + ["training.sequence_attention=true"]),
+                          "training.sequence_attention=false", *FP32]),
+        ("sequence_attention", BASELINE[:2] + ["training.sequence_attention=true", *FP32]),
         ("feature_cache", BASELINE + cache),
         ("anchors_512", BASELINE + ["data.num_anchors=512"]),
-        ("bf16", BASELINE + ["model.target_dtype=bf16", "training.bf16=true"]),
+        ("bf16", BASELINE[:3] + BF16),
         ("all_exact", EXACT + cache),
+        ("all_exact + bf16", EXACT[:3] + BF16 + cache_bf16),
         ("all + anchors_512", EXACT + cache + ["data.num_anchors=512"]),
         ("init=target_layers", EXACT + cache + ["model.init=target_layers"]),
     ]
@@ -102,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
           f" | torch capability {torch.backends.cpu.get_cpu_capability()} | threads {torch.get_num_threads()}"
           f" | load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     dtype = resolve_dtype(base_cfg.model.target_dtype, "cpu")
-    print(f"dtype: target_dtype={base_cfg.model.target_dtype} -> {dtype}; bf16 native on this CPU: {native_bf16} | "
+    print(f"dtype: fp32 except the bf16 rows (the recipe's target_dtype={base_cfg.model.target_dtype} would pick "
+          f"{dtype} here); bf16 native on this CPU: {native_bf16} | "
           f"{args.config}: kind {base_cfg.model.kind}, block_size {base_cfg.model.block_size}, "
           f"batch {base_cfg.data.batch_size}, max_length {base_cfg.data.max_length}, "
           f"num_anchors {base_cfg.data.num_anchors}, {args.steps} steps per row")
@@ -126,17 +136,23 @@ def main(argv: list[str] | None = None) -> int:
         return res, time.perf_counter() - t0
 
     results = []
-    cache_note = None
+    cache_notes: list[str] = []
+    built: dict[tuple, bool] = {}
     for name, extra in rows:
-        if name == "bf16" and not native_bf16:
+        if "bf16" in name and not native_bf16:
             results.append({"row": name, "skipped": "bf16 is not native on this CPU (no avx512_bf16 / amx_bf16)"})
             continue
-        if any(e.startswith("data.feature_cache=") for e in extra) and cache_note is None:
-            cold, secs = run("feature_cache_build", BASELINE + cache)
+        cache_extra = [e for e in extra if e.startswith("data.feature_cache")]
+        if cache_extra and tuple(cache_extra) not in built:
+            dtype_extra = BF16 if "bf16" in name else FP32
+            cold, secs = run(f"feature_cache_build{'_bf16' if 'bf16' in name else ''}",
+                             BASELINE[:3] + dtype_extra + cache_extra)
             per_token = cold.cache_stats["disk_bytes"] / max(1, sum(m.tokens for m in cold.history))
-            cache_note = (f"cold cache run (builds it): {secs:.1f} s for {args.steps} steps, "
-                          f"{cold.cache_stats['disk_bytes'] / 2**20:.1f} MiB on disk = {per_token / 1024:.1f} KiB per token")
-            print(cache_note)
+            built[tuple(cache_extra)] = True
+            cache_notes.append(f"cold cache run ({'bf16' if 'bf16' in name else 'fp32'} target, builds it): "
+                               f"{secs:.1f} s for {args.steps} steps, {cold.cache_stats['disk_bytes'] / 2**20:.1f} MiB "
+                               f"on disk = {per_token / 1024:.1f} KiB per token")
+            print(cache_notes[-1])
         res, _ = run(name, extra)
         # median step time after the first: robust to the spikes other processes put on a shared machine
         secs = statistics.median(m.seconds for m in (res.history[1:] or res.history))
@@ -160,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         r["x_blocks"] = r["blocks_per_s"] / base["blocks_per_s"]
         print(f"{r['row']:<20} {r['tokens_per_s']:>9.1f} {r['blocks_per_s']:>9.1f} {r['x_tokens']:>7.2f}x "
               f"{r['x_blocks']:>7.2f}x {r['loss']:>8.4f}")
-    if cache_note:
-        print(cache_note)
+    for note in cache_notes:
+        print(note)
     payload = {"cpu": cpu_model(), "flags": sorted(f for f in flags if "avx" in f or "amx" in f),
                "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
                "loadavg": os.getloadavg(), "dtype": str(dtype), "steps": args.steps, "config": args.config,
-               "overrides": common, "cache": cache_note, "rows": results}
+               "overrides": common, "cache": cache_notes, "rows": results}
     tmp = out / ".bench_train.json.tmp"
     tmp.write_text(json.dumps(payload, indent=1))
     os.replace(tmp, out / "bench_train.json")

@@ -30,7 +30,8 @@ class ModelSection(StrictModel):
     kv_layer_ids: list[int] = []
     # passed through to build_drafter (validated there)
     drafter: dict[str, Any] = {}
-    # initialise the drafter from a checkpoint directory (fresh optimizer)
+    # initialise the drafter from a training checkpoint (checkpoint-<step>/) or a drafter directory
+    # (config.json + model.safetensors, e.g. sglang_hspec/checkpoints/hspec-smollm2), with a fresh optimizer
     init_from: str | None = None
     # fresh drafter weights: "random", or "target_layers": each attention layer (q/k/v/o, its norms and the
     # MLP after it) copied from the target layer whose KV it reads, the last MLP from the target's last

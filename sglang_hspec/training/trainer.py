@@ -300,12 +300,20 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     if resume == "auto":
         resume = latest_checkpoint(t.output_dir)
     init_dir = resume or cfg.model.init_from
+    weights_dir = None
     if init_dir is not None:
-        saved = json.loads((Path(init_dir) / "drafter" / "config.json").read_text())
+        weights_dir = _init_weights_dir(Path(init_dir), flag="training.resume_from" if resume else "model.init_from")
+        saved = json.loads((weights_dir / "config.json").read_text())
         check_block_size(cfg, checkpoint_block_size=int(saved["block_size"]), checkpoint=str(init_dir))
     drafter = build_model(cfg, target, examples).to(device)
     if init_dir is not None:
-        drafter.load_state_dict(torch.load(Path(init_dir) / STATE_FILE, weights_only=False)["drafter"])
+        if (Path(init_dir) / STATE_FILE).is_file():
+            drafter.load_state_dict(torch.load(Path(init_dir) / STATE_FILE, weights_only=False)["drafter"])
+        else:  # a drafter directory (e.g. a shipped checkpoint): its weights and draft vocabulary
+            from sglang_hspec.model.checkpoint import load_state_strict, read_checkpoint_weights
+
+            load_state_strict(drafter, read_checkpoint_weights(weights_dir),
+                              what=f"model.init_from={init_dir} (a {cfg.model.kind} drafter of this recipe's shape)")
     module = DrafterLoss(drafter, cfg)
     if distributed:
         module = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
@@ -489,6 +497,19 @@ def _fsync_tree(root: Path) -> None:
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (the previous one is left as it was)."""
+
+
+def _init_weights_dir(path: Path, *, flag: str) -> Path:
+    """Where the drafter's config.json / model.safetensors are: <checkpoint>/drafter for a training
+    checkpoint, the directory itself for a drafter directory (only model.init_from takes one)."""
+    if (path / "drafter" / "config.json").is_file():
+        return path / "drafter"
+    if flag == "model.init_from" and (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    wanted = (f"{STATE_FILE} and drafter/config.json" if flag != "model.init_from" else
+              f"{STATE_FILE} and drafter/ (a training checkpoint) or config.json and model.safetensors (a drafter)")
+    raise FileNotFoundError(f"{flag}={path}: no checkpoint there (it needs {wanted}); point it at a "
+                            "checkpoint-<step> directory of a training run or at a drafter directory")
 
 
 def save_checkpoint(cfg: TrainConfig, drafter: nn.Module, opt, sched, step: int) -> Path:

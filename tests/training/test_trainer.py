@@ -95,6 +95,21 @@ def test_stop_after_trains_a_slice_of_the_schedule_and_auto_resume_finishes_it(t
     assert tail.history[0].loss == full.history[3].loss
 
 
+def test_init_from_a_drafter_directory_equals_init_from_its_training_checkpoint(tmp_path):
+    # a shipped drafter is a bare drafter directory (config.json + model.safetensors): continuing from it
+    # must load the same weights (draft vocabulary included) as continuing from the training checkpoint
+    over = SMALL + ["training.max_steps=2"]
+    first = train(load_config(TINY, over + [f"training.output_dir={tmp_path / 'a'}"]), progress=False)
+    ckpt = Path(first.checkpoints[-1])
+    runs = [train(load_config(TINY, over + [f"training.output_dir={tmp_path / name}", f"model.init_from={src}"]),
+                  progress=False) for name, src in (("b", ckpt), ("c", ckpt / "drafter"))]
+    assert [m.loss for m in runs[0].history] == [m.loss for m in runs[1].history]
+    assert runs[0].history[0].loss != first.history[0].loss  # not a fresh drafter: the weights were loaded
+    with pytest.raises(FileNotFoundError, match=r"model.init_from=.*nowhere: no checkpoint there"):
+        train(load_config(TINY, over + [f"training.output_dir={tmp_path / 'd'}",
+                                        f"model.init_from={tmp_path / 'nowhere'}"]), progress=False)
+
+
 def test_stop_after_outside_the_schedule_is_a_clear_error():
     with pytest.raises(ValueError, match="stop_after must be in"):
         load_config(TINY, SMALL + ["training.max_steps=4", "training.stop_after=5"])
