@@ -2,7 +2,7 @@
 
 The decision runs every step on the host. As ~50 numpy calls it cost 250-500 us at 256 requests on a
 2-core EPYC, almost all of it per-call overhead (1-3 us per numpy call, ~9 us per torch op), not
-arithmetic over 256 x 7 numbers. Each pass below does one step's work in one call:
+arithmetic over 256 x 7 numbers. Each pass below does its part of the step in one call:
 
 - `survival_pass` + numpy's sort + `best_rate_pass`: the stale survival estimates (audit-corrected,
   unknown rows filled with the known rows' mean or with the prior), then tau(n) over them in
@@ -15,9 +15,10 @@ arithmetic over 256 x 7 numbers. Each pass below does one step's work in one cal
   counts and ratios once they mature.
 
 Each computes exactly what its numpy twin in switch.py / planner.py computes, with every sum taken
-left to right as the plain-Python references do (tests/scheduler/test_fused.py holds them to
-them). `cache=True` keeps the compiled code beside this file, so only the first process compiles
-(~2 s); `warm_up()` compiles ahead of the first step.
+left to right as the plain-Python references do (tests/scheduler/test_fused.py holds each pass to
+its reference). `cache=True` keeps the compiled code beside this file, so only the first process on a machine
+compiles (5-15 s on 2 cores; later imports load it in well under a second); `warm_up()`, which AutoPolicy
+calls when it is built, compiles or loads them ahead of the first step.
 """
 
 from __future__ import annotations

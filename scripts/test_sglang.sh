@@ -10,11 +10,11 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=.venv-sglang/bin/python
 rc=0
-"$PY" -m pytest -q -n 2 --dist loadfile -m "not slow" tests/target tests/model || rc=1
-"$PY" -m pytest -q -n 2 --dist loadfile tests/kernels || rc=1
+"$PY" -m pytest -q --durations=12 -n 2 --dist loadfile -m "not slow" tests/target tests/model || rc=1
+"$PY" -m pytest -q --durations=12 -n 2 --dist loadfile tests/kernels || rc=1
 # the files with the most server launches first (they are handed out in this order), the rest after
 P=tests/sglang_plugin
-"$PY" -m pytest -q -n 2 --dist loadfile \
+"$PY" -m pytest -q --durations=12 -n 2 --dist loadfile \
     $P/test_sglang_sps_profile.py $P/test_sglang_embedded.py $P/test_sglang_cpu_e2e.py $P/test_sglang_kv_budget.py \
     $P/test_sglang_serving.py $P/test_sglang_startup_errors.py $P/test_sglang_load.py \
     $P/test_sglang_speculative_sampling.py $P/test_sglang_planner.py $P/test_sglang_speculation_switch.py \
