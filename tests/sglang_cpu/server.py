@@ -201,7 +201,29 @@ def launch(
     """Start `python -m sglang.launch_server` on a free loopback port and wait until it is ready.
     `max_total_tokens=None` lets SGLang size the KV pool from its memory budget (on CPU: free host RAM,
     or a fixed budget through the CPU plugin's SGLANG_CPU_TESTING_KV_BUDGET_MB).
-    Raises RuntimeError with the log tail when it dies or does not come up in time."""
+    Raises RuntimeError with the log tail when it dies or does not come up in time. A launch whose HTTP port
+    was taken between `free_port` and SGLang's bind (another server's internal ports can land on it while
+    both start) is retried on a fresh port, up to BIND_ATTEMPTS times."""
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        try:
+            return _launch_once(model_path, log_path=log_path, args=args, plugins=plugins, env_extra=env_extra,
+                                dtype=dtype, max_total_tokens=max_total_tokens, timeout=timeout)
+        except PortTakenError:
+            if attempt == BIND_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+BIND_ATTEMPTS = 3
+PORT_TAKEN = "error while attempting to bind on address"
+
+
+class PortTakenError(RuntimeError):
+    """The server could not bind its HTTP port (taken after free_port chose it)."""
+
+
+def _launch_once(model_path: Path, *, log_path: Path, args, plugins, env_extra, dtype, max_total_tokens,
+                 timeout: float) -> Server:
     port = free_port()
     argv = [
         "--model-path", str(model_path), "--device", "cpu",
@@ -222,7 +244,10 @@ def launch(
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"sglang server exited with {proc.returncode}:\n{server.log()[-6000:]}")
+                error = PortTakenError if PORT_TAKEN in server.log() else RuntimeError
+                raise error(f"sglang server exited with {proc.returncode}:\n{server.log()[-6000:]}")
+            if PORT_TAKEN in server.log():  # the port answering /health would be another process's
+                raise PortTakenError(f"sglang server could not bind port {port}:\n{server.log()[-6000:]}")
             if time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"sglang server not ready after {timeout:.0f} s:\n{server.log()[-6000:]}")
             try:

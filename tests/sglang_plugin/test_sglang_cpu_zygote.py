@@ -59,3 +59,39 @@ def test_a_failing_launch_prints_its_traceback_and_exits_non_zero(tmp_path):
     out = log.read_text()
     assert "Traceback (most recent call last)" in out
     assert out.strip().splitlines()[-1] == "ValueError: the message a user reads"
+
+
+def test_launch_retries_on_a_fresh_port_when_its_port_was_taken(tmp_path, monkeypatch):
+    """A server whose HTTP port was taken between free_port and SGLang's bind (seen in CI: another server
+    starting beside it) is relaunched on a fresh port; any other early exit is an error at once."""
+    from sglang_cpu import server as cpu_server
+
+    launches = []
+
+    class Exited:
+        pid, returncode = 0, 3
+
+        def poll(self):
+            return 3
+
+        def wait(self, timeout=None):
+            return 3
+
+    def fake_launcher(argv, *, env, log_path):
+        launches.append(int(argv[argv.index("--port") + 1]))
+        taken = len(launches) < 3
+        log_path.write_text(f"ERROR:    [Errno 98] {cpu_server.PORT_TAKEN} ('127.0.0.1', 1): address already in use"
+                            if taken else "ValueError: a real startup error")
+        return Exited()
+
+    monkeypatch.setattr(cpu_server, "start_launcher", fake_launcher)
+    monkeypatch.setattr(cpu_server.os, "killpg", lambda pid, sig: None)
+    with pytest.raises(RuntimeError, match="a real startup error") as err:
+        cpu_server.launch(tmp_path / "target", log_path=tmp_path / "server.log")
+    assert not isinstance(err.value, cpu_server.PortTakenError)
+    assert len(launches) == 3  # two taken ports, then the third launch's own error
+    launches.clear()
+    monkeypatch.setattr(cpu_server, "BIND_ATTEMPTS", 2)
+    with pytest.raises(cpu_server.PortTakenError):
+        cpu_server.launch(tmp_path / "target", log_path=tmp_path / "server.log")
+    assert len(launches) == 2
