@@ -145,23 +145,18 @@ def _topk_lengths_numpy(survival: np.ndarray, budget: int, min_survival: float) 
                                    min_survival=min_survival)
 
 
-def topk_lengths_slot_major(
-    flat: np.ndarray, *, num_reqs: int, budget: int, min_survival: float, all_admissible: bool = False
-) -> np.ndarray:
+def topk_lengths_slot_major(flat: np.ndarray, *, num_reqs: int, budget: int, min_survival: float) -> np.ndarray:
     """topk_lengths on the slot-major flattening (m = j * B + r) of float64 survivals: the budget-th
     largest value by selection, then the ties at it taken in the shared order (earlier slot, then
-    lower request). `all_admissible`: the caller guarantees every value is >= min_survival (no NaN)."""
-    if all_admissible:
-        admissible, count = None, flat.size
-    else:
-        admissible = flat >= min_survival  # NaN fails too
-        count = int(np.count_nonzero(admissible))
+    lower request)."""
+    admissible = flat >= min_survival  # NaN fails too
+    count = int(np.count_nonzero(admissible))
     if budget <= 0 or not flat.size:
         return np.zeros(num_reqs, dtype=np.int64)
     if budget >= count:
-        chosen = np.ones(flat.size, dtype=bool) if admissible is None else admissible
+        chosen = admissible
     else:
-        values = flat if admissible is None else np.where(admissible, flat, -np.inf)
+        values = np.where(admissible, flat, -np.inf)
         threshold = np.partition(values, values.size - budget)[values.size - budget]
         chosen = values >= threshold
         if int(np.count_nonzero(chosen)) != budget:  # ties at the threshold: the first ones in the order

@@ -149,7 +149,8 @@ def decide_speculation_numpy(
     *, survival: np.ndarray, costs: StepCosts, known_rows: int, steps_since_draft: int, probe_interval: int,
     probe_rows: int, margin: float, min_survival: float,
 ) -> SpeculationDecision:
-    """`decide_speculation` on a float64 [N, k] array, unchecked (AutoPolicy's hot path)."""
+    """`decide_speculation` on a float64 [N, k] array, unchecked (the numpy twin of AutoPolicy's compiled
+    decision, fused.py)."""
     num_reqs = survival.shape[0]
     if num_reqs == 0:
         return SpeculationDecision(False, 0, False, 0, 0, 0.0, 0.0)
@@ -200,31 +201,18 @@ def estimated_survival(*, confidences: torch.Tensor, known: torch.Tensor, ratios
 
 
 def estimated_survival_numpy(*, confidences: np.ndarray, known: np.ndarray, ratios: np.ndarray) -> np.ndarray:
-    """`estimated_survival` on float64 [N, k] arrays."""
-    slot_major = np.array(confidences.T, dtype=np.float64, order="C")
-    return estimated_survival_slot_major(slot_major, known=known, num_known=int(np.count_nonzero(known)),
-                                         ratios=ratios).T
-
-
-def cumprod_rows(values: np.ndarray) -> None:
-    """In-place cumulative product down the rows of a [k, B] array (k contiguous multiplies: faster
-    than np.cumprod along a short axis)."""
-    for j in range(1, values.shape[0]):
-        np.multiply(values[j - 1], values[j], out=values[j])
-
-
-def estimated_survival_slot_major(confidences: np.ndarray, *, known: np.ndarray, num_known: int,
-                                  ratios: np.ndarray) -> np.ndarray:
-    """`estimated_survival` on a float64 [k, N] array, which it overwrites and returns (AutoPolicy's
-    hot path: its host state is slot-major)."""
-    corrected = np.multiply(confidences, ratios[:, None], out=confidences)
+    """`estimated_survival` on float64 [N, k] arrays (computed slot-major: one contiguous row per slot)."""
+    corrected = np.array(confidences.T, dtype=np.float64, order="C")
+    np.multiply(corrected, ratios[:, None], out=corrected)
     np.minimum(corrected, 1.0, out=corrected)
     np.maximum(corrected, 0.0, out=corrected)
+    num_known = int(np.count_nonzero(known))
     if num_known < known.size:
         corrected[:, ~known] = (corrected[:, known].sum(1) / num_known if num_known
                                 else np.clip(ratios, 0.0, 1.0))[:, None]
-    cumprod_rows(corrected)
-    return corrected
+    for j in range(1, corrected.shape[0]):  # cumulative product down the k rows
+        np.multiply(corrected[j - 1], corrected[j], out=corrected[j])
+    return corrected.T
 
 
 def audit_counts(
@@ -242,7 +230,7 @@ def audit_counts(
 
 def audit_counts_slot_major(confidences: np.ndarray, *, verify_lengths: np.ndarray, num_accepted: np.ndarray
                             ) -> tuple[np.ndarray, np.ndarray]:
-    """`audit_counts` on a float64 [k, B] array and int arrays (AutoPolicy's hot path)."""
+    """`audit_counts` on a float64 [k, B] array and int arrays."""
     slot = np.arange(confidences.shape[0])[:, None]
     attempted = slot < np.minimum(verify_lengths, num_accepted + 1)[None, :]
     accepted = (attempted & (slot < num_accepted[None, :])).sum(1, dtype=np.float64)

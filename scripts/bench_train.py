@@ -137,19 +137,19 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     cache_notes: list[str] = []
-    built: dict[tuple, bool] = {}
+    built: set[tuple] = set()  # the feature caches a cold run has built
     for name, extra in rows:
-        if "bf16" in name and not native_bf16:
+        bf16 = "bf16" in name
+        if bf16 and not native_bf16:
             results.append({"row": name, "skipped": "bf16 is not native on this CPU (no avx512_bf16 / amx_bf16)"})
             continue
-        cache_extra = [e for e in extra if e.startswith("data.feature_cache")]
-        if cache_extra and tuple(cache_extra) not in built:
-            dtype_extra = BF16 if "bf16" in name else FP32
-            cold, secs = run(f"feature_cache_build{'_bf16' if 'bf16' in name else ''}",
-                             BASELINE[:3] + dtype_extra + cache_extra)
+        cache_extra = tuple(e for e in extra if e.startswith("data.feature_cache"))
+        if cache_extra and cache_extra not in built:
+            cold, secs = run(f"feature_cache_build{'_bf16' if bf16 else ''}",
+                             BASELINE[:3] + (BF16 if bf16 else FP32) + list(cache_extra))
             per_token = cold.cache_stats["disk_bytes"] / max(1, sum(m.tokens for m in cold.history))
-            built[tuple(cache_extra)] = True
-            cache_notes.append(f"cold cache run ({'bf16' if 'bf16' in name else 'fp32'} target, builds it): "
+            built.add(cache_extra)
+            cache_notes.append(f"cold cache run ({'bf16' if bf16 else 'fp32'} target, builds it): "
                                f"{secs:.1f} s for {args.steps} steps, {cold.cache_stats['disk_bytes'] / 2**20:.1f} MiB "
                                f"on disk = {per_token / 1024:.1f} KiB per token")
             print(cache_notes[-1])
