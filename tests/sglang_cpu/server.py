@@ -243,11 +243,12 @@ def _launch_once(model_path: Path, *, log_path: Path, args, plugins, env_extra, 
     server = Server(proc=proc, port=port, log_path=log_path, started_s=t0)
     try:
         while True:
-            if proc.poll() is not None:
-                error = PortTakenError if PORT_TAKEN in server.log() else RuntimeError
-                raise error(f"sglang server exited with {proc.returncode}:\n{server.log()[-6000:]}")
-            if PORT_TAKEN in server.log():  # the port answering /health would be another process's
-                raise PortTakenError(f"sglang server could not bind port {port}:\n{server.log()[-6000:]}")
+            exited, log = proc.poll() is not None, server.log()
+            if exited:
+                error = PortTakenError if PORT_TAKEN in log else RuntimeError
+                raise error(f"sglang server exited with {proc.returncode}:\n{log[-6000:]}")
+            if PORT_TAKEN in log:  # the port answering /health would be another process's
+                raise PortTakenError(f"sglang server could not bind port {port}:\n{log[-6000:]}")
             if time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"sglang server not ready after {timeout:.0f} s:\n{server.log()[-6000:]}")
             try:
