@@ -13,7 +13,8 @@
 # off the cores (SGLang's scheduler loop otherwise polls at full speed). MT-Bench closed loop; the first
 # server named is the baseline of the 'vs' column.
 # Usage: scripts/bench_serve_cpu.sh [OUT_DIR]   (needs `make setup-sglang`; ~20 min on 2 cores at the defaults)
-# Size: LIMIT (conversations, 8), MAX_TOKENS (per answer, 32), CONCURRENCY (1,4,16); PROFILE_BATCH_SIZES (the
+# Size: LIMIT (conversations, 8), MAX_TOKENS (per answer, 32), CONCURRENCY (1,4,16), ROUNDS (1: rounds per level,
+# each driving every server in turn, so the machine's drift reaches all alike); PROFILE_BATCH_SIZES (the
 # auto-profile's request counts, default: up to the server's capacity).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ servers=${SERVERS:-none,HSPEC,HSPEC+auto}
 limit=${LIMIT:-8}
 max_tokens=${MAX_TOKENS:-32}
 concurrency=${CONCURRENCY:-1,4,16}
+rounds=${ROUNDS:-1}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 target=$(.venv/bin/python -c "from sglang_hspec.assets.embedded import embedded_target_dir; print(embedded_target_dir())")
 drafter=sglang_hspec/checkpoints/hspec-smollm2
@@ -66,4 +68,4 @@ for name in "${names[@]}"; do
   compare+=("$name=http://127.0.0.1:$port")
 done
 .venv/bin/hspec bench serve --compare "${compare[@]}" --baseline "${names[0]}" --prompts mtbench --limit "$limit" \
-  --concurrency "$concurrency" --max-tokens "$max_tokens" --ignore-eos --out "$out"
+  --concurrency "$concurrency" --max-tokens "$max_tokens" --rounds "$rounds" --ignore-eos --out "$out"

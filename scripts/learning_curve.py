@@ -2,7 +2,7 @@
 
     python scripts/learning_curve.py --out runs/curve_sharegpt --data data/smollm2_prompts/train.jsonl
         [--kinds hspec,dspark] [--points 38,75,150,300,600,1200,2400] [--max-steps 3000]
-        [--limit 4] [--max-new-tokens 64] [section.key=value ...]
+        [--limit 4] [--max-new-tokens 64] [--eval-dtype float32] [section.key=value ...]
 
 Each kind trains once over the whole `--max-steps` schedule (configs/train_<kind>_smollm2.yaml plus the
 overrides; cosine learning rate over --max-steps, so intermediate points are not annealed), in slices:
@@ -89,7 +89,8 @@ def write_report(out: Path, state: dict) -> None:
     kinds, points = state["kinds"], state["points"]
     ref = kinds[-1]
     lines = [f"Machine: {state['machine']['cpu']}, {state['machine']['cores']} cores, flags "
-             f"{' '.join(state['machine']['flags']) or 'none'}, dtype {state.get('dtype', '?')}; data "
+             f"{' '.join(state['machine']['flags']) or 'none'}, training dtype {state.get('dtype', '?')}, eval dtype "
+             f"{state.get('eval_dtype', 'auto')}; data "
              f"{state['data']}; eval: {DATASETS}, {state['limit']} prompts each x {state['max_new_tokens']} "
              "tokens, T=0, block_size 7.", "",
              "| step | " + " | ".join(f"{k} blocks | {k} tau | {k} train h" for k in kinds)
@@ -162,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=3000, help="training.max_steps: the schedule's length")
     ap.add_argument("--limit", type=int, default=4, help="prompts per eval dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--eval-dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                    help="the eval's target/drafter dtype (training uses the recipe's): float32 by default, so that "
+                    "points measured on CPUs with and without native bf16 compare, and outputs match plain decoding")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for every kind")
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -178,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "curve.json"
     settings = {"kinds": kinds, "data": args.data, "max_steps": args.max_steps, "limit": args.limit,
-                "max_new_tokens": args.max_new_tokens, "overrides": args.overrides}
+                "max_new_tokens": args.max_new_tokens, "overrides": args.overrides, "eval_dtype": args.eval_dtype}
     if state_path.exists():
         state = json.loads(state_path.read_text())
-        old = {k: state.get(k) for k in settings}
+        old = {k: state.get(k, "auto" if k == "eval_dtype" else None) for k in settings}  # older runs: auto
         if old != settings:
             raise SystemExit(f"{state_path} was made with {old}, not {settings}: use another --out or the same flags")
     else:
@@ -216,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         eval_json = out / f"eval_{step}.json"
         drafters = [f"{record['kinds'][k]['checkpoint']}" for k in kinds]
         cmd = [*hspec, "eval", "--drafter", drafters[0], "--datasets", DATASETS, "--limit", str(args.limit),
-               "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0", "--out", str(eval_json),
+               "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0", "--dtype", args.eval_dtype,
+               "--out", str(eval_json),
                "--no-progress"]
         for d in drafters[1:]:
             cmd += ["--compare", d]

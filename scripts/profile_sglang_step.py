@@ -50,6 +50,10 @@ SEGMENTS = (
     ("draft.forward", "  draft runner forward", True),
     ("draft.model", "    HSpecDraftModel.forward", True),
     ("draft.kv_view", "      KV view + gather", True),
+    ("draft.base_logits", "  base logits (draft vocab)", True),
+    ("draft.markov", "  Markov sampler (SGLang)", True),
+    ("draft.confidence", "  confidence head", True),
+    ("draft.rest", "  rest of the proposer (SGLang)", True),
     ("planner", "planner (budget, layout, hooks)", True),
     ("loop.prepare", "stale-budget prepare", True),
     ("commit", "context-row commit", True),
@@ -121,6 +125,8 @@ def step_shares(delta: dict) -> tuple[dict[str, float], float, dict[str, int]]:
     top = ("draft", "planner", "verify", "accept", "commit", "observe")
     sec["other"] = sec.get("step", 0.0) - sum(sec.get(k, 0.0) for k in top)
     sec["loop.sglang"] = sec.get("loop", 0.0) - sec.get("loop.prepare", 0.0)
+    heads = ("draft.forward", "draft.base_logits", "draft.markov", "draft.confidence")
+    sec["draft.rest"] = sec.get("draft", 0.0) - sum(sec.get(k, 0.0) for k in heads)
     return sec, sec.get("step", 0.0) + sec.get("loop", 0.0), delta["steps"]
 
 

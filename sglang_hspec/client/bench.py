@@ -5,7 +5,10 @@ send its turns one after another (a turn's request includes the earlier turns an
 exactly C requests are in flight until the set runs out. Per concurrency it reports output
 throughput, per-user tokens/s (p50/p90 of completion tokens / request wall time), tau (tokens per
 verify step, over all requests) and wasted verify tokens. ``--compare`` runs several servers one
-after another and puts them in one table, with throughput relative to the baseline server.
+after another and puts them in one table, with throughput relative to the baseline server. With
+``--rounds R`` each concurrency level runs R rounds, and each round drives every server in turn, so
+that the machine's drift reaches all servers alike; a row pools its rounds (tokens over wall time), and
+the table adds the range of the per-round ratios to the baseline (each measured in the same round).
 
 Example::
 
@@ -70,6 +73,7 @@ class LevelSummary(msgspec.Struct, frozen=True, kw_only=True):
     wasted_verify_tokens: int
     wasted_verify_per_token: float | None
     first_error: str | None = None
+    round_throughputs: tuple[float, ...] = ()  # tok/s of each round, in order (--rounds)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -127,8 +131,16 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def summarize(server: str, concurrency: int, records: Sequence[RequestRecord], wall_s: float) -> LevelSummary:
-    """Aggregate one level. tau = total tokens / total verify steps, over requests that report them."""
+def summarize(
+    server: str,
+    concurrency: int,
+    records: Sequence[RequestRecord],
+    wall_s: float,
+    *,
+    round_throughputs: Sequence[float] = (),
+) -> LevelSummary:
+    """Aggregate one level (all its rounds: wall_s is their sum). tau = total tokens / total verify
+    steps, over requests that report them."""
     ok = [r for r in records if r.error is None]
     errors = [r for r in records if r.error is not None]
     out_tokens = sum(r.completion_tokens for r in ok)
@@ -155,6 +167,7 @@ def summarize(server: str, concurrency: int, records: Sequence[RequestRecord], w
         wasted_verify_tokens=wasted,
         wasted_verify_per_token=wasted / spec_tokens if spec_tokens else None,
         first_error=errors[0].error if errors else None,
+        round_throughputs=tuple(round_throughputs),
     )
 
 
@@ -262,9 +275,11 @@ def conversations_for_level(conversations: Sequence[Conversation], concurrency: 
 
 def format_table(summaries: Sequence[LevelSummary], baseline: str | None) -> str:
     base = {s.concurrency: s for s in summaries if s.server == baseline}
+    rounds = max((len(s.round_throughputs) for s in summaries), default=1)
     header = (
         f"{'server':<12} {'conc':>5} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'vs base':>8} "
         f"{'user p50':>9} {'user p90':>9} {'tau':>6} {'wasted/tok':>10}"
+        + (f" {'vs base by round':>18}" if rounds > 1 else "")
     )
     lines = [header, "-" * len(header)]
     for s in summaries:
@@ -275,9 +290,15 @@ def format_table(summaries: Sequence[LevelSummary], baseline: str | None) -> str
         p50, p90 = (
             f"{v:.1f}" if v is not None else "-" for v in (s.per_user_tok_s_p50, s.per_user_tok_s_p90)
         )
+        spread = ""
+        if rounds > 1:
+            per_round = [
+                a / b for a, b in zip(s.round_throughputs, ref.round_throughputs if ref else ()) if b > 0
+            ]
+            spread = f" {f'{min(per_round):.2f}-{max(per_round):.2f}x' if per_round else '-':>18}"
         lines.append(
             f"{s.server:<12} {s.concurrency:>5} {s.requests:>5} {s.errors:>4} {s.throughput_tok_s:>10.1f} "
-            f"{ratio:>8} {p50:>9} {p90:>9} {tau:>6} {wasted:>10}"
+            f"{ratio:>8} {p50:>9} {p90:>9} {tau:>6} {wasted:>10}{spread}"
         )
     return "\n".join(lines)
 
@@ -331,6 +352,16 @@ def _parse_concurrency(text: str) -> list[int]:
     return levels
 
 
+def _parse_rounds(text: str) -> int:
+    try:
+        rounds = int(text)
+    except ValueError:
+        rounds = 0
+    if rounds < 1:
+        raise argparse.ArgumentTypeError(f"--rounds wants a positive integer, got {text!r}")
+    return rounds
+
+
 def _checked_url(flag: str, url: str) -> str:
     try:
         return checked_base_url(url)
@@ -379,6 +410,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds without data before a request fails")
+    p.add_argument(
+        "--rounds", type=_parse_rounds, default=1,
+        help="rounds per concurrency level; each round drives every server in turn (default 1)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench_serve"), help="folder for bench_serve.json/.png")
     p.set_defaults(func=run_serve)
 
@@ -394,34 +429,47 @@ def run_serve(args: argparse.Namespace) -> int:
     summaries: list[LevelSummary] = []
     server_info: dict[str, dict] = {}
     for name, url in servers:
-        info = asyncio.run(_server_info(url))
-        server_info[name] = {"url": url, **info}
-        for concurrency in args.concurrency:
-            convs = conversations_for_level(conversations, concurrency)
-            total = sum(len(c.turns) for c in convs)
-            with tqdm(total=total, desc=f"{name} c={concurrency}", unit="req", file=sys.stderr) as bar:
-                try:
-                    records, wall = asyncio.run(
-                        run_level(
-                            url,
-                            convs,
-                            concurrency=concurrency,
-                            api=args.api,
-                            max_tokens=args.max_tokens,
-                            temperature=args.temperature,
-                            ignore_eos=args.ignore_eos,
-                            timeout=args.timeout,
-                            on_request=bar.update,
-                        )
-                    )
-                except ServerUnavailableError as exc:
-                    raise SystemExit(f"{name}: {exc}") from None
-            summary = summarize(name, concurrency, records, wall)
-            if summary.errors == summary.requests:
-                raise SystemExit(
-                    f"{name} at concurrency {concurrency}: every request failed: {summary.first_error}"
+        server_info[name] = {"url": url, **asyncio.run(_server_info(url))}
+    for concurrency in args.concurrency:
+        convs = conversations_for_level(conversations, concurrency)
+        total = sum(len(c.turns) for c in convs)
+        records: dict[str, list[RequestRecord]] = {name: [] for name, _ in servers}
+        walls: dict[str, list[float]] = {name: [] for name, _ in servers}
+        rates: dict[str, list[float]] = {name: [] for name, _ in servers}
+        # round-major: every server runs once per round, so slow drift of the machine reaches all alike
+        for round_index in range(args.rounds):
+            for name, url in servers:
+                label = f"{name} c={concurrency}" + (
+                    f" round {round_index + 1}/{args.rounds}" if args.rounds > 1 else ""
                 )
-            summaries.append(summary)
+                with tqdm(total=total, desc=label, unit="req", file=sys.stderr) as bar:
+                    try:
+                        level_records, wall = asyncio.run(
+                            run_level(
+                                url,
+                                convs,
+                                concurrency=concurrency,
+                                api=args.api,
+                                max_tokens=args.max_tokens,
+                                temperature=args.temperature,
+                                ignore_eos=args.ignore_eos,
+                                timeout=args.timeout,
+                                on_request=bar.update,
+                            )
+                        )
+                    except ServerUnavailableError as exc:
+                        raise SystemExit(f"{name}: {exc}") from None
+                if all(r.error is not None for r in level_records):
+                    first = next((r.error for r in level_records), "no request ran")
+                    raise SystemExit(f"{name} at concurrency {concurrency}: every request failed: {first}")
+                records[name] += level_records
+                walls[name].append(wall)
+                tokens = sum(r.completion_tokens for r in level_records if r.error is None)
+                rates[name].append(tokens / wall if wall > 0 else 0.0)
+        for name, _ in servers:
+            summaries.append(
+                summarize(name, concurrency, records[name], sum(walls[name]), round_throughputs=rates[name])
+            )
     print(format_table(summaries, baseline))
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
@@ -434,6 +482,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "temperature": args.temperature,
             "ignore_eos": args.ignore_eos,
             "baseline": baseline,
+            "rounds": args.rounds,
         },
         "servers": server_info,
         "results": msgspec.to_builtins(summaries),

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
 from sglang.srt.models.dspark import (
     BaseDSparkMarkovHead,
     build_confidence_head,
@@ -51,6 +52,13 @@ def _hspec_section(config) -> dict:
         raise ValueError("the drafter's config.json has no 'hspec' section; write H-Spec drafters with "
                          "sglang_hspec.model.checkpoint.save_drafter")
     return section
+
+
+def _plain_lm_head(lm_head: nn.Module) -> bool:
+    """An unquantized, unsharded LM head, whose draft-vocabulary rows can be gathered once and multiplied
+    alone. SGLang's ParallelLMHead carries `UnquantizedEmbeddingMethod` when it is not quantized (not None)."""
+    method = getattr(lm_head, "quant_method", None)
+    return (method is None or type(method) is UnquantizedEmbeddingMethod) and int(getattr(lm_head, "tp_size", 1)) == 1
 
 
 class DraftVocabMarkov(BaseDSparkMarkovHead):
@@ -128,7 +136,7 @@ class HSpecDraftModel(nn.Module):
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.drafter._target = (embed_tokens, lm_head)
-        if getattr(lm_head, "quant_method", None) is None and lm_head.weight.device.type != "meta":
+        if _plain_lm_head(lm_head) and lm_head.weight.device.type != "meta":
             self.drafter._draft_lm_weight()  # gather the V_d head rows now, not inside a captured graph
 
     def forward_embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -144,7 +152,7 @@ class HSpecDraftModel(nn.Module):
             raise RuntimeError("HSpecDraftModel needs the target lm_head (attach_shared_modules)")
         h = hidden if not self.logits_mup_width_multiplier else hidden / self.logits_mup_width_multiplier
         d = self.drafter
-        if getattr(self.lm_head, "quant_method", None) is None and int(getattr(self.lm_head, "tp_size", 1)) == 1:
+        if _plain_lm_head(self.lm_head):
             w, b = d._draft_lm_weight()  # [V_d, d] rows, gathered once
             return F.linear(h.to(w.dtype), w, b)
         local = project_through_lm_head(h, self.lm_head)

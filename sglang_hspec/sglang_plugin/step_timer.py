@@ -9,6 +9,9 @@ with `time.perf_counter` and rewrite `<path.json>` (atomically) after every step
   `forward_batch_generation`), `draft` (DSpark's proposer: the drafter's runner forward and heads),
   `draft.forward` (the draft model runner, SGLang's batch setup included), `draft.model` (our
   `HSpecDraftModel.forward`), `draft.kv_view` (the target-KV window view and gather inside it),
+  `draft.base_logits` (our draft-vocabulary logits, laid out over the target vocabulary),
+  `draft.markov` (SGLang's Markov draft sampler, `sample_draft_block`), `draft.confidence` (the
+  confidence head),
   `planner` (SGLang's budget resolution and layout, our planner hooks inside), `verify` (the target's
   verify forward and SGLang's scatter), `accept`, `commit` (our context-row write), `loop` (from the end
   of one decode step to the start of the next: SGLang's scheduler, output processing, and the

@@ -1,5 +1,6 @@
 """`HSpecWorkerV2`: SGLang's DSpark worker with H-Spec's drafter (docs/architecture.md,
-"One request through the SGLang worker"). Inherited unchanged: block proposal, Markov/confidence heads, STS, SPS planner, verify/accept,
+"One request through the SGLang worker"). Inherited unchanged: block proposal (argmax drafts on all-greedy steps:
+`greedy_drafts_for_greedy_batches`), Markov/confidence heads, STS, SPS planner, verify/accept,
 overlap relay and `_forward_prefill` / `_forward_decode`; the planner's two decisions (verify budget,
 per-request lengths) come from `sglang_hspec.scheduler.planner` through `planner_hooks.py`. Replaced:
 
@@ -15,6 +16,7 @@ Imports SGLang; imported only by the worker factory inside the scheduler process
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -51,6 +53,26 @@ def allow_slow_cpu_steps(observers, device) -> None:
     if dumper is None or torch.device(device).type != "cpu":
         return
     dumper._max_step_cpu_seconds = max(dumper._max_step_cpu_seconds, CPU_MAX_STEP_SECONDS)
+
+
+def greedy_drafts_for_greedy_batches(proposer) -> None:
+    """Make `proposer` (DSpark's `DraftBlockProposer`) draft by argmax on steps where every request is
+    greedy, as SGLANG_DSPARK_USE_GREEDY_DRAFT=1 does on every step.
+
+    Its sampled mode draws Philox noise over the whole target vocabulary at each Markov step and keeps the
+    step logits, even for rows at temperature 0, whose drafts are the argmax either way (SGLang's sampler
+    keys temperature-0 rows by their logits alone); an all-greedy batch is verified by argmax, which reads
+    no draft logits. So the drafts and the verify are unchanged and the noise is skipped. Batches with a
+    sampled request keep the sampled drafts (they accept more at temperature > 0)."""
+    always_greedy = bool(proposer._greedy_draft)
+    propose = proposer.propose
+
+    @functools.wraps(propose)
+    def propose_greedy_when_all_greedy(*args, sampling_info, **kwargs):
+        proposer._greedy_draft = always_greedy or sampling_info is None or bool(sampling_info.is_all_greedy)
+        return propose(*args, sampling_info=sampling_info, **kwargs)
+
+    proposer.propose = propose_greedy_when_all_greedy
 
 
 def register_draft_model_class() -> None:
@@ -136,6 +158,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
         # Steps without drafting (speculation_switch.py); the switch needs the request pool, built later.
         self._speculation_policy = speculation_policy()
         self._switch: SpeculationSwitch | None = None
+        greedy_drafts_for_greedy_batches(self._proposer)
         self._anchor_only_proposer = AnchorOnlyProposer(self._proposer)
         self._anchor_only_planner = AnchorOnlyPlanner(self._verify_planner, model_runner=self.model_runner)
         budget_planner = getattr(self._verify_planner, "_budget_planner", None)
@@ -249,6 +272,14 @@ class HSpecWorkerV2(DSparkWorkerV2):
             proposer.propose = wrap(proposer.propose, "draft")
         self.draft_model_runner.forward = wrap(self.draft_model_runner.forward, "draft.forward")
         self.draft_model.forward = wrap(self.draft_model.forward, "draft.model")
+        # the heads, split: base logits (ours), SGLang's Markov sampler (module global, looked up per call), and
+        # the confidence head (SGLang's, on our features)
+        self.draft_model.compute_base_logits = wrap(self.draft_model.compute_base_logits, "draft.base_logits")
+        self.draft_model.compute_confidence = wrap(self.draft_model.compute_confidence, "draft.confidence")
+        from sglang.srt.speculative.dspark_components import dspark_draft
+
+        if not hasattr(dspark_draft.sample_draft_block, "__wrapped__"):
+            dspark_draft.sample_draft_block = wrap(dspark_draft.sample_draft_block, "draft.markov")
         # the window read is fused into the attention over the pool (sglang_hspec/kernels): time that call
         _hspec_model.paged_block_attention = wrap(_hspec_model.paged_block_attention, "draft.kv_view")
         for planner in (self._verify_planner, self._anchor_only_planner):

@@ -133,6 +133,55 @@ def test_cli_compare_end_to_end(tmp_path, capsys, api: str) -> None:
     assert hspec_c1.split()[9] == "2.30"  # wasted verify tokens per output token: 23 / 10
 
 
+def test_rounds_drive_every_server_in_turn_and_pool_their_tokens(tmp_path, capsys, monkeypatch) -> None:
+    """--rounds 2: per level, round 1 runs A then B, round 2 runs A then B; a row pools its rounds
+    (tokens / summed wall) and the table shows the range of the per-round ratios to the baseline."""
+    calls: list[tuple[str, int]] = []
+    walls = iter([1.0, 2.0, 2.0, 2.0, 4.0, 1.0, 1.0, 1.0])  # A, B, A, B at c=1; then at c=2
+
+    async def fake_level(url, conversations, *, concurrency, max_tokens, on_request=None, **_):
+        calls.append((url, concurrency))
+        recs = [
+            RequestRecord(conversation_id=c.id, turn=t, completion_tokens=max_tokens, latency_s=0.1)
+            for c in conversations
+            for t in range(len(c.turns))
+        ]
+        return recs, next(walls)
+
+    monkeypatch.setattr(bench, "run_level", fake_level)
+
+    async def fake_info(url):
+        return {"speculative_algorithm": None}
+
+    monkeypatch.setattr(bench, "_server_info", fake_info)
+    prompts = _write_prompts(tmp_path, 2)  # 2 conversations x 2 turns: 4 requests per round at c=1 and c=2
+    out = tmp_path / "out"
+    argv = ["--compare", "A=http://a:1", "B=http://b:1", "--baseline", "B", "--prompts", str(prompts)]
+    argv += ["--concurrency", "1,2", "--max-tokens", "10", "--rounds", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    assert calls == [("http://a:1", 1), ("http://b:1", 1)] * 2 + [("http://a:1", 2), ("http://b:1", 2)] * 2
+    rows = {
+        (r["server"], r["concurrency"]): r
+        for r in json.loads((out / "bench_serve.json").read_text())["results"]
+    }
+    # c=1: A 40 tok in 1 s and 2 s -> rounds 40, 20 tok/s, pooled 80 / 3; B 40 tok in 2 s twice -> 20, 20
+    assert rows["A", 1]["round_throughputs"] == [40.0, 20.0] and rows["A", 1]["requests"] == 8
+    assert rows["A", 1]["throughput_tok_s"] == pytest.approx(80 / 3)
+    assert rows["B", 1]["throughput_tok_s"] == 20.0
+    assert rows["A", 2]["round_throughputs"] == [20.0, 80.0]  # c=2: 4 conversations, 80 tokens per round
+    table = capsys.readouterr().out
+    line = {(ln.split()[0], ln.split()[1]): ln.split() for ln in table.splitlines() if ln[:1] in "AB"}
+    assert line["A", "1"][5] == "1.33x" and line["A", "1"][10] == "1.00-2.00x"  # 40/20 and 20/20
+    assert line["A", "2"][10] == "0.25-1.00x"  # 20/80 and 80/80
+    assert line["B", "2"][10] == "1.00-1.00x"
+
+
+def test_bad_rounds_is_an_argparse_error(capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--url", "http://a:1", "--prompts", "x.jsonl", "--rounds", "0"])
+    assert "--rounds wants a positive integer, got '0'" in capsys.readouterr().err
+
+
 def test_cli_stops_with_a_clear_message_when_a_server_is_down(tmp_path) -> None:
     prompts = _write_prompts(tmp_path, 1)
     with FakeSGLangServer(listen=False) as down:

@@ -32,12 +32,16 @@ def checkpoints(tmp_path_factory):
 
 
 class _Head(torch.nn.Module):
-    """The target lm_head as SGLang's ParallelLMHead presents it on one rank."""
+    """The target lm_head as SGLang's ParallelLMHead presents it on one rank, unquantized: its quant_method
+    is SGLang's UnquantizedEmbeddingMethod, not None (a served drafter once projected the whole vocabulary
+    because only None counted as unquantized)."""
 
     def __init__(self, linear):
+        from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+
         super().__init__()
         self.weight = linear.weight
-        self.quant_method = None
+        self.quant_method = UnquantizedEmbeddingMethod()
         self.org_vocab_size = linear.weight.shape[0]
 
 
@@ -165,6 +169,12 @@ def test_adapter_reproduces_the_reference_drafter_on_a_paged_pool(checkpoints, m
 def test_draft_head_reads_only_the_draft_vocabulary_rows(checkpoints, monkeypatch):
     from sglang_cpu import builders
 
+    from sglang_hspec.sglang_plugin import draft_model
+
+    def whole_vocabulary(*_, **__):
+        raise AssertionError("an unquantized one-rank LM head was projected over the whole vocabulary")
+
+    monkeypatch.setattr(draft_model, "project_through_lm_head", whole_vocabulary)
     target_dir, draft_dir = checkpoints
     target = builders.load_target(target_dir)
     model = _adapter(draft_dir, target, monkeypatch)
