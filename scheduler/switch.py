@@ -5,7 +5,8 @@ N + (admitted survivals) tokens in expectation; a plain decode step costs one fo
 commits N. The switch compares the two rates, with every cost taken from the profiled table
 (`StepCosts`: verify steps/s, plain-decode steps/s and the drafter's seconds, `SpsCostTable`):
 
-    spec(n)  = (N + S(n)) / (draft_seconds(N) + 1 / SPS(N + n))     S(n) = sum of the n largest survivals
+    spec(n)  = (N + S(n)) / (draft_seconds(N) + verify(N, N + n))     S(n) = sum of the n largest survivals
+    verify(N, B) = max(1 / SPS(B), floor(N))       floor(N): the least the table says a step over N requests costs
     plain    = N x plain_steps_per_sec(N)
     speculate  iff  max_n spec(n) > (1 + margin) x plain  and the argmax n* > 0; then verify n* drafts.
 
@@ -57,16 +58,35 @@ class StepCosts:
 
     `draft_seconds` overrides the table's drafter column (e.g. a drafter that costs nothing, n-gram
     lookup, or a table profiled without a drafter). Without plain probes (SGLang's own tables) a plain
-    step costs what the anchor-only verify of N tokens costs."""
+    step costs what the anchor-only verify of N tokens costs.
 
-    def __init__(self, table: SpsTable, *, draft_seconds: float | None = None) -> None:
+    A verify probe of B tokens was measured over the fewest requests that fill it (B / tokens per
+    request), and a step over more requests costs more (per-request attention and bookkeeping, and the
+    drafter's rows), so the verify seconds of a step over N requests are floored by what the table
+    measured at N requests (`verify_floor_seconds`):
+
+    - with plain probes, a plain step of N requests: a verify of N + n >= N tokens over N requests costs
+      at least as much;
+    - with `full_block` (tokens per request of the table's probes, when its step times are whole drafting
+      steps, the draft forward included: SGLang's profiler, which measures N x full_block tokens over N
+      requests and leaves no drafter column), the profiled step of N requests at full blocks: the table
+      holds nothing cheaper for a drafting step over N requests. Conservative in compact mode, where a
+      step verifies fewer tokens than a full block."""
+
+    def __init__(self, table: SpsTable, *, draft_seconds: float | None = None, full_block: int | None = None) -> None:
         if draft_seconds is not None and not (draft_seconds >= 0 and np.isfinite(draft_seconds)):
             raise ValueError(f"draft_seconds must be finite and >= 0, got {draft_seconds}")
+        if full_block is not None and full_block < 1:
+            raise ValueError(f"full_block must be >= 1 tokens per request, got {full_block}")
         self.table = table
         self.sps = SpsCurve(table)
         self._draft_override = draft_seconds
+        self._full_block = full_block
         self._verify_seconds = np.zeros(0)
         self._verify_reqs: int | None = None
+        self._floored = np.zeros(0)
+        self._base_version = 0  # bumped when the base cache is rebuilt
+        self._floored_key: tuple[int, int] | None = None  # (num_reqs, base version) it was built from
 
     def plain_steps_per_sec(self, num_reqs: int) -> float:
         t = self.table
@@ -80,26 +100,55 @@ class StepCosts:
         t = self.table
         return t.draft_lookup(num_reqs) if isinstance(t, SpsCostTable) else 0.0
 
-    def verify_seconds_range(self, *, start: int, count: int, num_reqs: int) -> np.ndarray:
-        """Seconds of a verify of start, start+1, ..., start+count-1 batch tokens (inf past capacity)."""
+    def verify_floor_seconds(self, num_reqs: int) -> float:
+        """The least a verify over `num_reqs` requests costs, by the table (0: no floor; inf: past capacity)."""
+        t = self.table
+        floor = 0.0
+        if isinstance(t, SpsCostTable) and t.has_plain:
+            floor = 1.0 / t.plain_lookup(num_reqs)
+        if self._full_block is not None:
+            full = self.sps.scalar(batch_tokens=num_reqs * self._full_block, num_reqs=num_reqs)
+            floor = max(floor, 1.0 / full if full > 0 else float("inf"))
+        return floor
+
+    def _base_verify_seconds(self, *, upto: int, num_reqs: int) -> np.ndarray:
         additive = not isinstance(self.table, SpsCostTable)
-        if start + count > self._verify_seconds.size or (additive and num_reqs != self._verify_reqs):
-            sps = self.sps.steps_per_sec_range(start=0, count=max(start + count, 2 * self._verify_seconds.size, 64),
+        if upto > self._verify_seconds.size or (additive and num_reqs != self._verify_reqs):
+            sps = self.sps.steps_per_sec_range(start=0, count=max(upto, 2 * self._verify_seconds.size, 64),
                                                num_reqs=num_reqs).numpy()
             with np.errstate(divide="ignore"):
                 self._verify_seconds = 1.0 / sps  # 0 steps/s (past capacity) -> inf seconds
             self._verify_reqs = num_reqs
-        return self._verify_seconds[start : start + count]
-
-    def verify_seconds_upto(self, *, end: int, num_reqs: int) -> np.ndarray:
-        """The cached verify seconds indexed by batch tokens, at least `end` long (AutoPolicy's
-        compiled decision reads it whole)."""
-        self.verify_seconds_range(start=0, count=end, num_reqs=num_reqs)
+            self._base_version += 1
         return self._verify_seconds
 
+    def verify_seconds_upto(self, *, end: int, num_reqs: int) -> np.ndarray:
+        """Verify seconds over `num_reqs` requests indexed by batch tokens, floored (the class docstring),
+        at least `end` long (a cache: AutoPolicy's compiled decision reads it whole)."""
+        base = self._base_verify_seconds(upto=end, num_reqs=num_reqs)
+        floor = self.verify_floor_seconds(num_reqs)
+        if floor <= 0.0:
+            return base
+        key = (num_reqs, self._base_version)
+        if self._floored_key != key:
+            self._floored = np.maximum(base, floor)
+            self._floored_key = key
+        return self._floored
+
+    def verify_seconds_range(self, *, start: int, count: int, num_reqs: int) -> np.ndarray:
+        """Seconds of a verify of start, start+1, ..., start+count-1 batch tokens over `num_reqs` requests
+        (inf past capacity)."""
+        return self.verify_seconds_upto(end=start + count, num_reqs=num_reqs)[start : start + count]
+
     def scalar_fn(self) -> SpsFn:
-        """The plain-Python verify lookup the reference twins use."""
-        return lambda batch_tokens, num_reqs: self.sps.scalar(batch_tokens=batch_tokens, num_reqs=num_reqs)
+        """The plain-Python verify lookup the reference twins use (steps/s, floored like the caches)."""
+
+        def steps_per_sec(batch_tokens: int, num_reqs: int) -> float:
+            steps = self.sps.scalar(batch_tokens=batch_tokens, num_reqs=num_reqs)
+            floor = self.verify_floor_seconds(num_reqs)
+            return min(steps, 1.0 / floor) if floor > 0.0 else steps
+
+        return steps_per_sec
 
 
 class SpeculationDecision(NamedTuple):

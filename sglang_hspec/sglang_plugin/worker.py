@@ -221,7 +221,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
         policy = self._speculation_policy
         if policy == "always":
             return None
-        costs = step_costs() if policy == "auto" else None
+        costs = step_costs(verify_num_draft_tokens=self.verify_num_draft_tokens) if policy == "auto" else None
         switch = SpeculationSwitch(policy=policy, costs=costs, block_size=self.gamma, req_pool_size=req_pool_size,
                                    min_survival=self._verify_planner._schedule_cfg.survival_eps)
         budget_planner = getattr(self._verify_planner, "_budget_planner", None)
@@ -307,9 +307,11 @@ class HSpecWorkerV2(DSparkWorkerV2):
                                                 pp_proxy_tensors=pp_proxy_tensors)
 
 
-def step_costs():
+def step_costs(*, verify_num_draft_tokens: int):
     """`StepCosts` of this server for `HSPEC_SPECULATION=auto`: the SPS table SGLang's planner was given,
-    read with our loader (it keeps the plain-decode probes SGLang's struct drops)."""
+    read with our loader (it keeps the plain-decode probes SGLang's struct drops). A table without a
+    drafter column is SGLang's profile of whole drafting steps at `verify_num_draft_tokens` per request,
+    so a drafting step over N requests costs at least its step of N requests (`StepCosts(full_block=)`)."""
     from sglang.srt.runtime_context import get_spec
 
     from sglang_hspec.scheduler.sps import load_sps_table
@@ -325,4 +327,4 @@ def step_costs():
         raise RuntimeError(f"HSPEC_SPECULATION=auto needs plain-decode probes in the SPS table, and {path} has none "
                            "(profiled before they existed, or by SGLang's profiler alone): re-profile it (delete the "
                            "cached table and restart with HSPEC_AUTO_PROFILE_SPS=1, or `hspec profile-sps --url`)")
-    return StepCosts(table)
+    return StepCosts(table, full_block=None if table.draft_seconds else verify_num_draft_tokens)

@@ -96,6 +96,34 @@ def test_min_survival_and_nan_never_counted():
     assert d.best_budget == 1
 
 
+def test_a_step_over_n_requests_costs_at_least_the_table_at_n_requests():
+    # SGLang's auto-profile of the embedded target (AMD EPYC, float32, 2026-12-02): whole drafting steps of
+    # 1, 2, 4, 8, 16 requests x 8 tokens, and plain steps of as many requests; no drafter column
+    table = SpsCostTable(sample_batch_tokens=[8, 16, 32, 64, 128], sample_steps_per_sec=[9.37, 7.80, 5.72, 3.70, 2.10],
+                         max_batch_tokens=384, plain_batch_sizes=[1, 2, 4, 8, 16],
+                         plain_steps_per_sec=[19.16, 12.31, 12.54, 10.79, 7.07])
+    surv = [[0.6, 0.36, 0.216]] * 16  # 16 requests, tau 2.18 each if every draft is verified
+    # read by batch tokens alone, 16 + 16 tokens is the 2-request probe (7.80 steps/s): a drafting step of
+    # 16 requests would look cheaper than their plain step (1 / 7.07 s) and speculation would win
+    bare = switch.StepCosts(table)
+    assert bare.verify_floor_seconds(16) == pytest.approx(1 / 7.07)  # the plain floor alone
+    assert bare.verify_seconds_range(start=16, count=2, num_reqs=16) == pytest.approx([1 / 7.07, 1 / 7.07])
+    assert both(surv, bare, **KNOWN).speculate  # (16 + 9.6) / (1 / 7.07) = 181 > 1.05 x 113.1
+    # the table's drafting step of 16 requests is 1 / 2.10 s: (16 + 18.8) / 0.476 = 73 < 113 -> decode plainly
+    costs = switch.StepCosts(table, full_block=8)
+    assert costs.verify_floor_seconds(16) == pytest.approx(1 / 2.10)
+    assert costs.verify_floor_seconds(1) == pytest.approx(1 / 9.37)
+    assert costs.verify_floor_seconds(64) == float("inf")  # 512 tokens: past capacity, never speculate
+    d = both(surv, costs, **KNOWN)
+    assert (d.speculate, d.best_budget) == (False, 48)
+    assert d.spec_tokens_per_sec == pytest.approx((16 + 16 * (0.6 + 0.36 + 0.216)) * 2.10)
+    # one request speculates once its drafts beat plain decoding by 2.15x: tau 2.18 does, tau 1.6 does not
+    assert both(surv[:1], costs, **KNOWN).speculate
+    assert not both([[0.4, 0.16, 0.064]], costs, **KNOWN).speculate
+    with pytest.raises(ValueError, match="full_block"):
+        switch.StepCosts(table, full_block=0)
+
+
 def test_random_cases_match_reference():
     rng = random.Random(0)
     for _ in range(200):
@@ -105,7 +133,7 @@ def test_random_cases_match_reference():
         draft = [rng.choice([0.0, rng.uniform(0, 0.05)]) for _ in plain]
         table = cost_table(verify, plain=plain, draft=draft,
                            max_batch_tokens=len(verify) + rng.choice([0, 0, 5, 50]))
-        costs = switch.StepCosts(table)
+        costs = switch.StepCosts(table, full_block=rng.choice([None, None, 1, k + 1]))
         conf = [[rng.choice([0.0, 1.0, 0.5, rng.random()]) for _ in range(k)] for _ in range(n)]
         surv = planner.survivals_reference(confidences=conf)
         both(surv, costs, known_rows=rng.randint(0, n), steps_since_draft=rng.randint(0, 40),
