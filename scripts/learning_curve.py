@@ -2,7 +2,7 @@
 
     python scripts/learning_curve.py --out runs/curve_sharegpt --data data/smollm2_prompts/train.jsonl
         [--kinds hspec,dspark] [--points 38,75,150,300,600,1200,2400] [--max-steps 3000]
-        [--limit 4] [--max-new-tokens 64] [--eval-dtype float32] [section.key=value ...]
+        [--limit 4] [--max-new-tokens 64] [--eval-dtype fp32] [section.key=value ...]
 
 Each kind trains once over the whole `--max-steps` schedule (configs/train_<kind>_smollm2.yaml plus the
 overrides; cosine learning rate over --max-steps, so intermediate points are not annealed), in slices:
@@ -134,6 +134,15 @@ def write_report(out: Path, state: dict) -> None:
     os.replace(tmp, out / "curve.png")
 
 
+def eval_args(drafters: list[str], *, out: Path, limit: int, max_new_tokens: int, dtype: str) -> list[str]:
+    """`hspec eval` arguments of one point: every kind's drafter, one plain baseline, T=0."""
+    cmd = ["eval", "--drafter", drafters[0], "--datasets", DATASETS, "--limit", str(limit), "--max-new-tokens",
+           str(max_new_tokens), "--temperature", "0", "--dtype", dtype, "--out", str(out), "--no-progress"]
+    for d in drafters[1:]:
+        cmd += ["--compare", d]
+    return cmd
+
+
 def run(cmds: list[list[str]], logs: list[Path], threads: int) -> None:
     """Run the commands side by side, `threads` torch threads each (one process per core trains faster
     in all than one process on every core: small matmuls do not scale across threads)."""
@@ -153,7 +162,7 @@ def run(cmds: list[list[str]], logs: list[Path], threads: int) -> None:
         raise SystemExit("; ".join(failed) + ". Fix it and rerun: finished points are kept")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--data", required=True, help="data.train_path (JSONL from `hspec data build` / `regenerate`)")
@@ -163,10 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=3000, help="training.max_steps: the schedule's length")
     ap.add_argument("--limit", type=int, default=4, help="prompts per eval dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--eval-dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+    ap.add_argument("--eval-dtype", default="fp32", choices=["fp32", "bf16", "auto"],
                     help="the eval's target/drafter dtype (training uses the recipe's): float32 by default, so that "
                     "points measured on CPUs with and without native bf16 compare, and outputs match plain decoding")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for every kind")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     points = sorted({int(p) for p in args.points.split(",")})
@@ -219,12 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(state_path, json.dumps(state, indent=1) + "\n")  # the time survives a kill
         eval_json = out / f"eval_{step}.json"
         drafters = [f"{record['kinds'][k]['checkpoint']}" for k in kinds]
-        cmd = [*hspec, "eval", "--drafter", drafters[0], "--datasets", DATASETS, "--limit", str(args.limit),
-               "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0", "--dtype", args.eval_dtype,
-               "--out", str(eval_json),
-               "--no-progress"]
-        for d in drafters[1:]:
-            cmd += ["--compare", d]
+        cmd = [*hspec, *eval_args(drafters, out=eval_json, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                                  dtype=args.eval_dtype)]
         run([cmd], [log], threads=os.cpu_count() or 1)
         payload = json.loads(eval_json.read_text())
         payloads = payload["runs"] if "runs" in payload else [payload]
