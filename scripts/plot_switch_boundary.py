@@ -8,6 +8,8 @@ Each cell gives every request the same survivals a_j = alpha^(j+1), alpha solved
   of B tokens 70 ms x (1 + 0.17 (B - 1)) below 8 tokens per request, rising with the batch; a draft
   forward 0.4 plain steps), shaped after docs/results.md;
 - "GPU-like": `synthetic_sps_table()` (CUDA-graph tiers), plain = the anchor-only verify, a draft 2 ms.
+A measured table without a drafter column (SGLang's profiler: whole drafting steps) is costed as the HSPEC
+worker costs it, `StepCosts(full_block=block_size + 1)`.
 
     python scripts/plot_switch_boundary.py --out docs/scheduler_switch.png
 """
@@ -68,7 +70,12 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     if args.sps_table:
-        panels = [(f"measured: {args.sps_table}", StepCosts(load_sps_table(args.sps_table)))]
+        table = load_sps_table(args.sps_table)
+        # no drafter column: SGLang's profile of whole drafting steps, costed as the HSPEC worker does
+        whole_steps = not getattr(table, "draft_seconds", [1.0])
+        costs = StepCosts(table, full_block=args.block_size + 1 if whole_steps else None)
+        name = args.sps_table.rsplit("/", 1)[-1]
+        panels = [(f"measured: {name}" + (" (whole drafting steps)" if whole_steps else ""), costs)]
     else:
         panels = [("synthetic CPU-like (2 AVX2 cores, fp32)", StepCosts(cpu_like_table())),
                   ("synthetic GPU-like (CUDA-graph tiers)", StepCosts(synthetic_sps_table(), draft_seconds=0.002))]
