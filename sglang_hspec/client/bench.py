@@ -459,13 +459,14 @@ def run_serve(args: argparse.Namespace) -> int:
                         )
                     except ServerUnavailableError as exc:
                         raise SystemExit(f"{name}: {exc}") from None
-                if all(r.error is not None for r in level_records):
-                    first = next((r.error for r in level_records), "no request ran")
-                    raise SystemExit(f"{name} at concurrency {concurrency}: every request failed: {first}")
+                one_round = summarize(name, concurrency, level_records, wall)
+                if one_round.errors == one_round.requests:
+                    raise SystemExit(
+                        f"{name} at concurrency {concurrency}: every request failed: {one_round.first_error}"
+                    )
                 records[name] += level_records
                 walls[name].append(wall)
-                tokens = sum(r.completion_tokens for r in level_records if r.error is None)
-                rates[name].append(tokens / wall if wall > 0 else 0.0)
+                rates[name].append(one_round.throughput_tok_s)
         for name, _ in servers:
             summaries.append(
                 summarize(name, concurrency, records[name], sum(walls[name]), round_throughputs=rates[name])
