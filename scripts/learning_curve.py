@@ -3,6 +3,12 @@
     python scripts/learning_curve.py --out runs/curve_sharegpt --data data/smollm2_prompts/train.jsonl
         [--kinds hspec,dspark] [--points 38,75,150,300,600,1200,2400] [--max-steps 3000]
         [--limit 4] [--max-new-tokens 64] [--eval-dtype fp32] [section.key=value ...]
+    python scripts/learning_curve.py --out runs/levers --data data/smollm2_prompts/train.jsonl --points 38,75,150,300 \
+        --arm anchors_all=hspec data.num_anchors=512 --arm lr_1.2e-3=hspec training.lr=1.2e-3
+
+Each `--arm LABEL=KIND [section.key=value ...]` is one curve: model.kind KIND with its own overrides (on top of
+the shared ones), trained in <out>/LABEL; `--kinds a,b` is short for `--arm a=a --arm b=b`. Lever runs compare
+an arm against the baseline curve (docs/results/learning_curve/curve.json) with scripts/plot_levers.py.
 
 Each kind trains once over the whole `--max-steps` schedule (configs/train_<kind>_smollm2.yaml plus the
 overrides; cosine learning rate over --max-steps, so intermediate points are not annealed), in slices:
@@ -143,6 +149,15 @@ def eval_args(drafters: list[str], *, out: Path, limit: int, max_new_tokens: int
     return cmd
 
 
+def train_args(arm: dict, *, out_dir: Path, data: str, max_steps: int, stop_after: int,
+               overrides: list[str]) -> list[str]:
+    """`hspec train` arguments of one slice of one arm: the shared overrides, then the arm's own."""
+    return [sys.executable, "-m", "sglang_hspec.cli", "train", "--config", f"configs/train_{arm['kind']}_smollm2.yaml",
+            f"data.train_path={data}", "data.feature_cache=null", f"training.max_steps={max_steps}",
+            f"training.stop_after={stop_after}", "training.resume_from=auto", f"training.output_dir={out_dir}",
+            "training.save_every=25", "training.log_every=1", *overrides, *arm["overrides"]]
+
+
 def run(cmds: list[list[str]], logs: list[Path], threads: int) -> None:
     """Run the commands side by side, `threads` torch threads each (one process per core trains faster
     in all than one process on every core: small matmuls do not scale across threads)."""
@@ -166,8 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--data", required=True, help="data.train_path (JSONL from `hspec data build` / `regenerate`)")
-    ap.add_argument("--kinds", default="hspec,dspark", help="comma-separated model.kind values; the last is the "
-                    "reference of the ratios")
+    ap.add_argument("--kinds", default=None, help="comma-separated model.kind values, one arm each (default "
+                    "hspec,dspark); the last is the reference of the ratios")
+    ap.add_argument("--arm", action="append", nargs="+", default=None, metavar="LABEL=KIND [KEY=VALUE",
+                    help="one curve: a label (its directory under --out), its model.kind and its own dotted "
+                    "overrides; repeat for several arms (instead of --kinds)")
     ap.add_argument("--points", default="38,75,150,300,600,1200,2400", help="steps at which to evaluate")
     ap.add_argument("--max-steps", type=int, default=3000, help="training.max_steps: the schedule's length")
     ap.add_argument("--limit", type=int, default=4, help="prompts per eval dataset")
@@ -179,16 +197,37 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_arms(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, dict]:
+    """{label: {"kind": model.kind, "overrides": [...]}} from --arm (or --kinds), in order; errors name the flag."""
+    if args.arm and args.kinds:
+        ap.error("give --kinds or --arm, not both")
+    if not args.arm:
+        kinds = [k.strip() for k in (args.kinds or "hspec,dspark").split(",") if k.strip()]
+        return {k: {"kind": k, "overrides": []} for k in kinds}
+    arms: dict[str, dict] = {}
+    for label_kind, *overrides in args.arm:
+        label, sep, kind = label_kind.partition("=")
+        if not sep or not label or not kind or "/" in label or label in arms:
+            ap.error(f"--arm {label_kind}: the first word must be LABEL=KIND with a new label and no '/' "
+                     "(e.g. --arm rank256=hspec model.drafter.markov_rank=256)")
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            ap.error(f"--arm {label_kind}: {bad[0]!r} is not a section.key=value override")
+        arms[label] = {"kind": kind, "overrides": overrides}
+    return arms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    arms = parse_arms(ap, args)
+    kinds = list(arms)  # arm labels: the curve's columns and run directories
     points = sorted({int(p) for p in args.points.split(",")})
     if not kinds or not points or points[0] < 1 or points[-1] > args.max_steps:
         ap.error(f"--kinds must name at least one kind and --points lie in 1..--max-steps={args.max_steps}")
-    for k in kinds:
-        if not Path(f"configs/train_{k}_smollm2.yaml").is_file():
-            ap.error(f"--kinds {k}: configs/train_{k}_smollm2.yaml does not exist")
+    for label, arm in arms.items():
+        if not Path(f"configs/train_{arm['kind']}_smollm2.yaml").is_file():
+            ap.error(f"--arm/--kinds {label}: configs/train_{arm['kind']}_smollm2.yaml does not exist")
     if not Path(args.data).is_file():
         ap.error(f"--data {args.data} does not exist; build it with `hspec data build`")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -197,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     state_path = out / "curve.json"
     settings = {"kinds": kinds, "data": args.data, "max_steps": args.max_steps, "limit": args.limit,
                 "max_new_tokens": args.max_new_tokens, "overrides": args.overrides, "eval_dtype": args.eval_dtype}
+    if args.arm:  # older curves (--kinds only) have no "arms" entry
+        settings["arms"] = arms
     if state_path.exists():
         state = json.loads(state_path.read_text())
         old = {k: state.get(k, "auto" if k == "eval_dtype" else None) for k in settings}  # older runs: auto
@@ -218,10 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         record = {"step": step, "kinds": {}}
         t0 = time.perf_counter()
         todo = [k for k in kinds if not (out / k / f"checkpoint-{step}" / "drafter" / "model.safetensors").is_file()]
-        run([[*hspec, "train", "--config", f"configs/train_{k}_smollm2.yaml", f"data.train_path={args.data}",
-              "data.feature_cache=null", f"training.max_steps={args.max_steps}", f"training.stop_after={step}",
-              "training.resume_from=auto", f"training.output_dir={out / k}", "training.save_every=25",
-              "training.log_every=1", *args.overrides] for k in todo],
+        run([train_args(arms[k], out_dir=out / k, data=args.data, max_steps=args.max_steps, stop_after=step,
+                        overrides=args.overrides) for k in todo],
             [out / f"train_{k}.log" for k in todo], threads=max(1, (os.cpu_count() or 1) // len(kinds)))
         spent = time.perf_counter() - t0
         for k in kinds:  # wall time of the slices, the kinds side by side on one core each

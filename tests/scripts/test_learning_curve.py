@@ -44,3 +44,34 @@ def test_slope_per_doubling_by_hand(curve):
     points[1]["kinds"]["hspec"]["pooled_tau"] = 1.2  # least squares over log2(blocks) 0..3: 0.45 / 5
     assert curve.slopes(points, "hspec") == pytest.approx(0.09)
     assert curve.slopes(points[:1], "hspec") is None
+
+
+def test_arms_train_their_own_kind_with_the_shared_then_their_own_overrides(curve, tmp_path):
+    ap = curve.build_parser()
+    args = ap.parse_args(["--out", "o", "--data", "d.jsonl", "training.seed=1", "--arm", "base=hspec",
+                          "--arm", "r256=hspec", "model.drafter.markov_rank=256", "training.seed=2",
+                          "--arm", "ds=dspark"])
+    arms = curve.parse_arms(ap, args)
+    assert list(arms) == ["base", "r256", "ds"]
+    assert arms["r256"] == {"kind": "hspec", "overrides": ["model.drafter.markov_rank=256", "training.seed=2"]}
+    argv = curve.train_args(arms["r256"], out_dir=tmp_path / "r256", data="d.jsonl", max_steps=3000, stop_after=75,
+                            overrides=args.overrides)
+    assert argv[3:6] == ["train", "--config", "configs/train_hspec_smollm2.yaml"]
+    # the arm's own overrides come last, so they win over the shared ones
+    assert argv[-3:] == ["training.seed=1", "model.drafter.markov_rank=256", "training.seed=2"]
+    assert f"training.output_dir={tmp_path / 'r256'}" in argv and "training.stop_after=75" in argv
+    assert list(curve.parse_arms(ap, ap.parse_args(["--out", "o", "--data", "d", "--kinds", "hspec,dspark"]))) == [
+        "hspec", "dspark"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arm", "hspec"], "LABEL=KIND"),
+    (["--arm", "a=hspec", "--arm", "a=dspark"], "LABEL=KIND"),
+    (["--arm", "a=hspec", "lr"], "not a section.key=value"),
+    (["--kinds", "hspec", "--arm", "a=hspec"], "not both"),
+])
+def test_bad_arms_name_the_flag(curve, argv, message, capsys):
+    ap = curve.build_parser()
+    with pytest.raises(SystemExit):
+        curve.parse_arms(ap, ap.parse_args(["--out", "o", "--data", "d", *argv]))
+    assert message in capsys.readouterr().err

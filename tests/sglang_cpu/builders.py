@@ -84,9 +84,16 @@ def tiny_qwen3_config(**overrides):
     return Qwen3Config(**kw)
 
 
-def build_tiny_target(out: Path, *, seed: int = 0) -> Path:
-    """Qwen3ForCausalLM, 2 layers, H=128, 4 q / 2 kv heads, head_dim 32, V=1024, bf16 (1.1 MB)."""
+def build_tiny_target(out: Path, *, seed: int = 0, logit_scale: int = 1) -> Path:
+    """Qwen3ForCausalLM, 2 layers, H=128, 4 q / 2 kv heads, head_dim 32, V=1024, bf16 (1.1 MB).
+
+    `logit_scale` (a power of two, so the bf16 weights scale exactly) multiplies the LM head: the target
+    then samples at temperature T what the unscaled one samples at T / logit_scale, with the same greedy
+    path. Sampling tests use it to run at temperature 1, where the unscaled random target is near-flat."""
     from transformers import AutoModelForCausalLM
+
+    if logit_scale < 1 or logit_scale & (logit_scale - 1):
+        raise ValueError(f"logit_scale must be a power of two (exact in bf16), got {logit_scale}")
 
     def build(tmp: Path) -> None:
         cfg = tiny_qwen3_config()
@@ -96,6 +103,8 @@ def build_tiny_target(out: Path, *, seed: int = 0) -> Path:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
         model.save_pretrained(tmp)
         build_tokenizer(tmp)
 

@@ -37,6 +37,9 @@ def tiny_checkpoints(tmp_path_factory):
     target = builders.build_tiny_target(root / "target")
     return {
         "target": target,
+        # the same target with its LM head x8: temperature 1 samples what `target` samples at 1/8 (peaked), so
+        # sampling tests run at temperature 1 with drafts that are accepted (builders.build_tiny_target)
+        "target_x8": builders.build_tiny_target(root / "target_x8", logit_scale=8),
         "dspark": builders.build_dspark_draft(root / "dspark", target),
         "bigram": builders.build_bigram_draft(root / "bigram", target),
         # our dspark baseline exported to SGLang's DSpark layout (sglang_plugin/export_dspark.py)

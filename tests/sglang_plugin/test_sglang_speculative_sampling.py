@@ -1,10 +1,11 @@
 """Sampling through HSPEC's drafting steps on the real SGLang (CPU tier) keeps the target's distribution.
 
-One HSPEC server (tiny Qwen3 target, the `hspec_bigram` drafter of block 3, HSPEC_SPECULATION=always: every
-decode step drafts and verifies) answers 1,200 requests of one prompt at temperature 0.1 with 12 output
-tokens. (The tiny random target is near-flat at higher temperatures and its sampled paths leave the ones
-the bigram drafter knows, so drafts would almost never be accepted; at 0.1 its conditionals still range
-from 0.5 to 1.0.) Output token 0 comes from prefill; tokens 1-11 all come from speculative steps: accepted
+One HSPEC server (the tiny Qwen3 target with its LM head scaled by 8, the `hspec_bigram` drafter of block 3,
+HSPEC_SPECULATION=always: every decode step drafts and verifies) answers 1,200 requests of one prompt at
+temperature 1 with 12 output tokens. (The unscaled tiny random target is near-flat at temperature 1 and its
+sampled paths leave the ones the bigram drafter knows, so drafts would almost never be accepted; scaled by 8,
+it samples at 1 what the unscaled one samples at 0.125, and its conditionals still range from 0.5 to 1.0.)
+Output token 0 comes from prefill; tokens 1-11 all come from speculative steps: accepted
 draft tokens, residual draws after a rejection at slot 1, 2 or 3, and bonus tokens after full accepts.
 The test checks that each kind occurred (`spec_correct_drafts_histogram`: verify steps with 0, 1, 2 and 3
 accepted drafts) and that the tokens follow the target exactly:
@@ -15,8 +16,8 @@ accepted drafts) and that the tokens follow the target exactly:
   the target's conditionals, the u of tokens 1-11 are independent U(0, 1) (Rosenblatt); a chi-square test
   over 20 equal bins (alpha 1e-3), pooled over tokens 1-11 and for each token on its own;
 - the power of the pooled test is computed exactly (noncentral chi-square from the bin probabilities that
-  a wrong rule gives, on the same prefixes) for one wrong rule: decode tokens drawn at temperature 0.2
-  instead of 0.1. It must exceed 0.99, and the same samples read through that rule's conditionals must
+  a wrong rule gives, on the same prefixes) for one wrong rule: decode tokens drawn at temperature 2
+  instead of 1. It must exceed 0.99, and the same samples read through that rule's conditionals must
   fail the test (a test of the test).
 """
 
@@ -34,23 +35,30 @@ OUTPUT_TOKENS = 12  # 1 from prefill, 11 from speculative steps
 PROMPT = 3  # builders.PROMPTS[3]: the bigram drafter's greedy path, so drafts are accepted in every number
 PLUGINS = ("sglang_cpu_testing", "hspec")
 SAMPLES = 1200
-TEMPERATURE = 0.1  # the tiny random target is near-flat at 0.7, where drafts are almost never accepted
-WRONG_TEMPERATURE = 0.2
+LOGIT_SCALE = 8  # conftest's target_x8; the unscaled tiny random target is near-flat at 1, where drafts are almost never accepted
+TEMPERATURE = 1.0
+WRONG_TEMPERATURE = 2.0
 BINS = 20
 ALPHA = 1e-3
 SEED = 4321
 
 
 @pytest.fixture(scope="module")
-def always_server(tiny_checkpoints, tmp_path_factory):
+def sharp_target(tiny_checkpoints):
+    return tiny_checkpoints["target_x8"]
+
+
+@pytest.fixture(scope="module")
+def always_server(sharp_target, tmp_path_factory):
     from sglang_cpu import builders
     from sglang_cpu import server as cpu_server
 
     root = tmp_path_factory.mktemp("speculative_sampling")
-    draft = builders.build_hspec_draft(root / "hspec_bigram", tiny_checkpoints["target"], bigram=True)
+    # the Markov bias scaled with the LM head, so it still outweighs the random drafter's base logits
+    draft = builders.build_hspec_draft(root / "hspec_bigram", sharp_target, bigram=True, strength=30.0 * LOGIT_SCALE)
     profile = root / "steps.json"
     srv = cpu_server.launch(
-        tiny_checkpoints["target"], log_path=root / "hspec_always.log", plugins=PLUGINS,
+        sharp_target, log_path=root / "hspec_always.log", plugins=PLUGINS,
         args=["--speculative-algorithm", "HSPEC", "--speculative-draft-model-path", str(draft),
               "--random-seed", str(SEED)],
         env_extra={"HSPEC_SPECULATION": "always", "HSPEC_STEP_PROFILE": str(profile)},
@@ -111,7 +119,17 @@ def _chi2_uniform(u: torch.Tensor) -> tuple[float, float]:
     return chi2, float(stats.chi2.sf(chi2, BINS - 1))
 
 
-def test_drafting_steps_sample_the_target_distribution(tiny_checkpoints, always_server):
+def test_sharpened_target_samples_at_1_what_the_tiny_target_samples_at_one_eighth(tiny_checkpoints, sharp_target):
+    from sglang_cpu import builders
+
+    prompt = torch.tensor([builders.load_tokenizer(sharp_target).encode(builders.PROMPTS[PROMPT])])
+    with torch.no_grad():
+        sharp = builders.load_target(sharp_target)(prompt).logits.double()
+        plain = builders.load_target(tiny_checkpoints["target"])(prompt).logits.double()
+    assert torch.equal(sharp, plain * LOGIT_SCALE)  # exact: a power of two scales bf16 and fp32 exactly
+
+
+def test_drafting_steps_sample_the_target_distribution_at_temperature_1(sharp_target, always_server):
     from scipy import stats
     from sglang_cpu import builders
 
@@ -133,7 +151,7 @@ def test_drafting_steps_sample_the_target_distribution(tiny_checkpoints, always_
     print("verify steps by number of accepted drafts 0..3:", correct.tolist())
     assert (correct >= 100).all(), correct
 
-    probs = _conditionals(tiny_checkpoints["target"], prompt, outputs, TEMPERATURE)
+    probs = _conditionals(sharp_target, prompt, outputs, TEMPERATURE)
     generator = torch.Generator().manual_seed(SEED)
     u = torch.stack([_randomised_pit(probs[:, j], outputs[:, j], generator) for j in range(OUTPUT_TOKENS)], 1)
     decode_u = u[:, 1:]
@@ -142,8 +160,8 @@ def test_drafting_steps_sample_the_target_distribution(tiny_checkpoints, always_
     print(f"pooled tokens 1-{OUTPUT_TOKENS - 1}: chi2={chi2:.1f} dof={BINS - 1} p={p_value:.3g}; per token p:",
           [f"{p:.3g}" for _, p in per_token])
 
-    # power against drawing decode tokens at temperature 1, on the same prefixes
-    wrong = _conditionals(tiny_checkpoints["target"], prompt, outputs, WRONG_TEMPERATURE)[:, 1:]
+    # power against drawing decode tokens at the wrong temperature, on the same prefixes
+    wrong = _conditionals(sharp_target, prompt, outputs, WRONG_TEMPERATURE)[:, 1:]
     n = decode_u.numel()
     wrong_bins = _pit_bin_probabilities(wrong.reshape(n, -1), probs[:, 1:].reshape(n, -1)).sum(0)
     expected = n / BINS
