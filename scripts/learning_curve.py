@@ -2,7 +2,7 @@
 
     python scripts/learning_curve.py --out runs/curve_sharegpt --data data/smollm2_prompts/train.jsonl
         [--kinds hspec,dspark] [--points 38,75,150,300,600,1200,2400] [--max-steps 3000]
-        [--limit 4] [--max-new-tokens 64] [--eval-dtype fp32] [section.key=value ...]
+        [--limit 4] [--max-new-tokens 64] [--eval-dtype fp32] [--threads N] [section.key=value ...]
     python scripts/learning_curve.py --out runs/levers --data data/smollm2_prompts/train.jsonl --points 38,75,150,300 \
         --arm anchors_all=hspec data.num_anchors=512 --arm lr_1.2e-3=hspec training.lr=1.2e-3
 
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-dtype", default="fp32", choices=["fp32", "bf16", "auto"],
                     help="the eval's target/drafter dtype (training uses the recipe's): float32 by default, so that "
                     "points measured on CPUs with and without native bf16 compare, and outputs match plain decoding")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per training run (default: the "
+                    "cores over the arms, one process per core); two curves side by side: --threads 1 each")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for every kind")
     return ap
 
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = [k for k in kinds if not (out / k / f"checkpoint-{step}" / "drafter" / "model.safetensors").is_file()]
         run([train_args(arms[k], out_dir=out / k, data=args.data, max_steps=args.max_steps, stop_after=step,
                         overrides=args.overrides) for k in todo],
-            [out / f"train_{k}.log" for k in todo], threads=max(1, (os.cpu_count() or 1) // len(kinds)))
+            [out / f"train_{k}.log" for k in todo], threads=args.threads or max(1, (os.cpu_count() or 1) // len(kinds)))
         spent = time.perf_counter() - t0
         for k in kinds:  # wall time of the slices, the kinds side by side on one core each
             state.setdefault("train_seconds", {})[k] = state.get("train_seconds", {}).get(k, 0.0) + spent * (k in todo)
