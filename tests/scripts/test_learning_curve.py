@@ -3,22 +3,14 @@ stopped a curve after its first training slice), and the slope per doubling, by 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from sglang_hspec.cli import build_parser
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "learning_curve.py"
-
 
 @pytest.fixture(scope="module")
-def curve():
-    spec = importlib.util.spec_from_file_location("learning_curve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def curve(load_script):
+    return load_script("learning_curve")
 
 
 def _choices(parser, dest: str) -> list[str]:

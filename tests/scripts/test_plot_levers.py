@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_levers.py"
-
 
 @pytest.fixture(scope="module")
-def levers():
-    spec = importlib.util.spec_from_file_location("plot_levers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def levers(load_script):
+    return load_script("plot_levers")
 
 
 def _curve(arm: str, rows: list[tuple[int, int, float]], **extra) -> dict:
