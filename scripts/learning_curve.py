@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", required=True, help="data.train_path (JSONL from `hspec data build` / `regenerate`)")
     ap.add_argument("--kinds", default=None, help="comma-separated model.kind values, one arm each (default "
                     "hspec,dspark); the last is the reference of the ratios")
-    ap.add_argument("--arm", action="append", nargs="+", default=None, metavar="LABEL=KIND [KEY=VALUE",
+    ap.add_argument("--arm", action="append", nargs="+", default=None, metavar=("LABEL=KIND", "KEY=VALUE"),
                     help="one curve: a label (its directory under --out), its model.kind and its own dotted "
                     "overrides; repeat for several arms (instead of --kinds)")
     ap.add_argument("--points", default="38,75,150,300,600,1200,2400", help="steps at which to evaluate")

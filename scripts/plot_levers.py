@@ -6,7 +6,8 @@
 Both inputs are `scripts/learning_curve.py` outputs (curve.json). For each lever arm the table gives its
 points, its least-squares slope per doubling of blocks, the baseline's slope over the baseline points in the
 same step range, the arm's tau minus the baseline's at equal blocks (the baseline interpolated in log2
-blocks; blank outside its range) and the arm's training seconds per step. Writes <out>/levers.md and
+blocks; blank outside its range) and the arm's training wall seconds per step (the time its curve recorded,
+over its last step: slices trained before a restart into a new --out are not counted, so it reads low then). Writes <out>/levers.md and
 <out>/levers.png (atomically) and prints the table.
 """
 
