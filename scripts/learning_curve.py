@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -42,7 +41,7 @@ from tqdm import tqdm
 
 from sglang_hspec.core.atomic import atomic_write_text
 from sglang_hspec.target.dtypes import SPEED_FLAGS, cpu_flags, cpu_model
-from sglang_hspec.training.eval import pooled_tau
+from sglang_hspec.training.eval import pooled_tau, tau_per_doubling
 
 DATASETS = "mtbench,gsm8k,humaneval"
 
@@ -82,13 +81,8 @@ def prune_states(run_dir: Path, keep: int, points: list[int]) -> None:
 
 def slopes(points: list[dict], kind: str) -> float | None:
     """Least-squares pooled tau per doubling of blocks (None with fewer than two points)."""
-    xy = [(math.log2(p["kinds"][kind]["blocks"]), p["kinds"][kind]["pooled_tau"]) for p in points
-          if kind in p["kinds"]]
-    if len(xy) < 2:
-        return None
-    mx, my = sum(x for x, _ in xy) / len(xy), sum(y for _, y in xy) / len(xy)
-    var = sum((x - mx) ** 2 for x, _ in xy)
-    return sum((x - mx) * (y - my) for x, y in xy) / var if var else None
+    rows = [p["kinds"][kind] for p in points if kind in p["kinds"]]
+    return tau_per_doubling([r["blocks"] for r in rows], [r["pooled_tau"] for r in rows])
 
 
 def write_report(out: Path, state: dict) -> None:

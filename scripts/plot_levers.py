@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from sglang_hspec.core.atomic import atomic_write_text
+from sglang_hspec.training.eval import tau_per_doubling
 
 
 def series(curve: dict, arm: str) -> list[tuple[int, int, float]]:
@@ -31,12 +32,7 @@ def series(curve: dict, arm: str) -> list[tuple[int, int, float]]:
 
 def slope(points: list[tuple[int, int, float]]) -> float | None:
     """Least-squares tau per doubling of blocks; None with fewer than two points."""
-    if len(points) < 2:
-        return None
-    xs, ys = [math.log2(b) for _, b, _ in points], [t for _, _, t in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else None
+    return tau_per_doubling([b for _, b, _ in points], [t for _, _, t in points])
 
 
 def interpolate(points: list[tuple[int, int, float]], blocks: int) -> float | None:

@@ -12,6 +12,7 @@ writes confidence-record shards (calibration.records layout) for `hspec calibrat
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -315,6 +316,17 @@ def pooled_tau(payload: dict, temperature: float) -> float | None:
     rows = [r for r in payload["results"] if r["temperature"] == temperature]
     steps = sum(r["steps"] for r in rows)
     return sum(r["tau"] * r["steps"] for r in rows if r["tau"] is not None) / steps if steps else None
+
+
+def tau_per_doubling(blocks: list[int], taus: list[float]) -> float | None:
+    """Least-squares slope of tau over log2(training blocks): the learning curve's gain per doubling of
+    data (scripts/learning_curve.py, scripts/plot_levers.py). None with fewer than two distinct sizes."""
+    if len(blocks) < 2:
+        return None
+    xs = [math.log2(b) for b in blocks]
+    mx, my = sum(xs) / len(xs), sum(taus) / len(taus)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, taus)) / var if var else None
 
 
 def comparison_table(payloads: list[dict], *, baseline: str = "dspark") -> str:
