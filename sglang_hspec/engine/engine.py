@@ -101,6 +101,24 @@ def full_block_policy(*, block_size: int) -> Callable:
     return plan
 
 
+def with_texts(results: list[GenerationResult], tokenizer) -> list[GenerationResult]:
+    """Decode each result's output ids into its text (special tokens skipped) when there is a tokenizer."""
+    if tokenizer is not None:
+        for r in results:
+            r.text = tokenizer.decode(r.output_ids, skip_special_tokens=True)
+    return results
+
+
+def eos_token_ids_of(adapter: TargetAdapter, eos_token_ids: Sequence[int] | None = None) -> set[int]:
+    """`eos_token_ids` when given, else the target's (generation config first, then model config)."""
+    if eos_token_ids is None:
+        eos = getattr(adapter.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(adapter.config, "eos_token_id", None)
+        eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return set(int(e) for e in eos_token_ids)
+
+
 class SpeculativeEngine:
     """Batched speculative decoding over a `TargetAdapter` with any `Drafter`."""
 
@@ -122,12 +140,7 @@ class SpeculativeEngine:
         self.confidence_transform = confidence_transform or torch.sigmoid
         self.confidence_recorder = confidence_recorder
         self._generate_calls = 0
-        if eos_token_ids is None:
-            eos = getattr(adapter.model.generation_config, "eos_token_id", None)
-            if eos is None:
-                eos = getattr(adapter.config, "eos_token_id", None)
-            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        self.eos_token_ids = set(int(e) for e in eos_token_ids)
+        self.eos_token_ids = eos_token_ids_of(adapter, eos_token_ids)
 
     # ------------------------------------------------------------------ public API
 
@@ -161,9 +174,9 @@ class SpeculativeEngine:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p)
         lengths = torch.tensor([len(p) for p in prompts], device=device)
-        out = adapter.extend(tokens, num_tokens=lengths, hidden_layer_ids=hidden_ids)
+        out = adapter.extend(tokens, num_tokens=lengths, hidden_layer_ids=hidden_ids, last_logits_only=True)
         rows = torch.arange(n, device=device)
-        last_logits = out.logits[rows, lengths - 1]
+        last_logits = out.logits[:, 0]
         anchors = sample_from(sampling_probs(last_logits, sampling), generator)
         last_hidden = out.hidden[rows, lengths - 1] if out.hidden is not None else None
         new_hidden, new_hidden_lengths = out.hidden, lengths.clone()
@@ -327,11 +340,7 @@ class SpeculativeEngine:
         return any(s in tail for s in stops)
 
     def _finish_text(self, results: list[GenerationResult]) -> list[GenerationResult]:
-        tok = self.adapter.tokenizer
-        if tok is not None:
-            for r in results:
-                r.text = tok.decode(r.output_ids, skip_special_tokens=True)
-        return results
+        return with_texts(results, self.adapter.tokenizer)
 
     def _record_confidence(self, logits, verify_len, num_acc, block_size) -> None:
         """Every verify with >= 1 draft; a recorder that takes `verify_lens` marks the slots past a shorter

@@ -178,7 +178,7 @@ class RaggedKVCache(Cache):
 
 @dataclass
 class ExtendOutput:
-    logits: torch.Tensor  # [B, L, V] float32 (rows padded past num_tokens hold garbage)
+    logits: torch.Tensor  # [B, L, V] float32 (rows padded past num_tokens hold garbage); [B, 1, V]: last_logits_only
     hidden: torch.Tensor | None  # [B, L, n_ids, hidden] at the requested layer ids
 
 
@@ -274,10 +274,15 @@ class TargetAdapter:
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, *, num_tokens: torch.Tensor | None = None,
-               rows: torch.Tensor | None = None, hidden_layer_ids=(), commit: bool = True) -> ExtendOutput:
+               rows: torch.Tensor | None = None, hidden_layer_ids=(), commit: bool = True,
+               last_logits_only: bool = False) -> ExtendOutput:
         """Run `tokens` [B, L] (right-padded; row b has num_tokens[b] real tokens) on top of each row's
         cache, at positions lengths[row] + 0..L-1. Writes their KV; with commit=True the rows' lengths
-        grow by num_tokens (use `truncate` afterwards to keep only an accepted prefix)."""
+        grow by num_tokens (use `truncate` afterwards to keep only an accepted prefix).
+
+        `last_logits_only`: logits [B, 1, V] at each row's last real token only. A prefill needs no
+        more, and projecting every padded position onto the vocabulary is most of its cost (32 prompts
+        x 256 tokens: 1.6 GB of fp32 logits)."""
         cache = self.cache
         if cache is None:
             raise RuntimeError("call reset(rows) before extend")
@@ -305,11 +310,16 @@ class TargetAdapter:
         allowed = cols[None, None, :] <= positions[:, :, None]
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        keep = {}
+        if last_logits_only:
+            # HF's logits_to_keep takes one index set for all rows: the distinct last positions
+            kept_positions, kept_of_row = torch.unique(num_tokens.to(self.device) - 1, return_inverse=True)
+            keep = {"logits_to_keep": kept_positions}
         cache._rows, cache._write_index, cache._read_len, cache._writes = rows, positions, end, 0
         try:
             with self._capture_hidden(hidden_layer_ids) as captured:
                 out = call_with_cache(self.model, cache, cache_arg=self._cache_arg, input_ids=tokens,
-                                      attention_mask=mask[:, None], position_ids=positions)
+                                      attention_mask=mask[:, None], position_ids=positions, **keep)
         finally:
             cache._rows = cache._write_index = None
         if cache._writes != self.num_layers:
@@ -322,7 +332,10 @@ class TargetAdapter:
         hidden = None
         if len(hidden_layer_ids):
             hidden = torch.stack([captured[int(i)] for i in hidden_layer_ids], dim=2)
-        return ExtendOutput(logits=out.logits.float(), hidden=hidden)
+        logits = out.logits
+        if last_logits_only:
+            logits = logits[torch.arange(b, device=self.device), kept_of_row][:, None]
+        return ExtendOutput(logits=logits.float(), hidden=hidden)
 
     def truncate(self, lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Roll rows back to `lengths` committed tokens (O(1): entries past the length are masked and

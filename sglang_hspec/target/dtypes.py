@@ -1,17 +1,25 @@
 """Pick a compute dtype that is actually fast on this machine.
 
-bf16 matmuls are fast on GPUs and on CPUs with AVX512-BF16 / AMX, but on an AVX2-only CPU PyTorch
+bf16 matmuls are fast on GPUs and on some CPUs with AVX512-BF16 / AMX, but on an AVX2-only CPU PyTorch
 emulates them about 50x slower than fp32 (measured: 1.3 vs 78 GFLOP/s on one core). `auto` therefore
-means bf16 where it is native and fp32 elsewhere.
+means bf16 where it is fast and fp32 elsewhere.
 
-On CPU the answer comes from the CPU's own feature flags (/proc/cpuinfo `avx512_bf16` or `amx_bf16`):
-torch's reported capability is no guide (an AMD EPYC with avx512_bf16 reports plain "AVX512", where
-bf16 ran a 512x576x1536 matmul 2.3x faster than fp32). Without /proc/cpuinfo (not Linux) the
-capability string decides."""
+On CPU the flags are necessary, not sufficient. Without `avx512_bf16` / `amx_bf16` in /proc/cpuinfo bf16
+is emulated and fp32 wins. With them, which is faster depends on the chip and on which kernels the
+hypervisor lets oneDNN use: an AMD EPYC with avx512_bf16 ran a 512x576x1536 matmul 2.3x faster in bf16,
+while an Intel Xeon (family 6 model 207, avx512_bf16 listed, no amx flags) ran SmolLM2's MLP matmul
+1.3-1.7x *slower* in bf16 than fp32 at 1-2048 rows. So where the flags allow bf16, a one-off
+micro-benchmark decides (`cpu_bf16_speedup`: SmolLM2's MLP shape at 1, 8 and 256 rows, bf16 against
+fp32), cached per CPU model, flags and torch version under `$HSPEC_CACHE_DIR/dtype_probe.json`.
+`HSPEC_CPU_BF16=1` / `0` overrides it. torch's reported capability is no guide (that EPYC reports
+plain "AVX512"); without /proc/cpuinfo (not Linux) the capability string decides."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -50,24 +58,81 @@ def cpu_model() -> str:
 
 def describe_machine() -> str:
     """One line for every benchmark and results table: CPU model, cores, the speed flags present, torch's
-    CPU capability and threads (the CPU differs between machines: print it, never assume it)."""
-    import os
-
+    CPU capability, threads and what `--dtype auto` picks here (the CPU differs between machines: print
+    it, never assume it)."""
     shown = [f for f in SPEED_FLAGS if f in cpu_flags()]
     return (f"{cpu_model()}, {os.cpu_count()} cores, flags: {' '.join(shown) or 'none of ' + '/'.join(SPEED_FLAGS)}, "
             f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}, "
-            f"{torch.get_num_threads()} threads")
+            f"{torch.get_num_threads()} threads, auto dtype {'bf16' if bf16_is_fast('cpu') else 'fp32'}")
+
+
+BF16_PROBE_ROWS = (1, 8, 256)  # a decode step, a verify block, a training / prefill batch
+BF16_MIN_SPEEDUP = 1.1  # bf16 must beat fp32 by this much (geometric mean over the rows) to be picked
+
+
+def _matmul_seconds(rows: int, dtype: torch.dtype, *, in_features: int = 576, out_features: int = 1536) -> float:
+    """Best of 3 timings of one `F.linear` at SmolLM2's MLP shape."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    reps = max(4, 1024 // rows)
+    torch.nn.functional.linear(x, w)  # warm-up: oneDNN picks and caches its kernel
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.nn.functional.linear(x, w)
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def cpu_bf16_speedup() -> float:
+    """fp32 time over bf16 time of the MLP matmul, geometric mean over `BF16_PROBE_ROWS` (> 1: bf16 is
+    faster here). Measured once per CPU model, flags and torch version (< 1 s) and cached on disk."""
+    from sglang_hspec.assets.embedded import default_cache_dir
+
+    key = f"{cpu_model()} | {' '.join(sorted(f for f in SPEED_FLAGS if f in cpu_flags()))} | torch {torch.__version__}"
+    path = default_cache_dir() / "dtype_probe.json"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached.get(key), dict) and "speedup" in cached[key]:
+        return float(cached[key]["speedup"])
+    ratios = {rows: _matmul_seconds(rows, torch.float32) / _matmul_seconds(rows, torch.bfloat16)
+              for rows in BF16_PROBE_ROWS}
+    speedup = 1.0
+    for r in ratios.values():
+        speedup *= r ** (1 / len(ratios))
+    cached[key] = {"speedup": round(speedup, 3), "per_rows": {str(k): round(v, 3) for k, v in ratios.items()},
+                   "threads": torch.get_num_threads()}
+    try:  # a cache that cannot be written costs one probe per process, nothing else
+        from sglang_hspec.core.atomic import atomic_open
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path, "w") as f:
+            json.dump(cached, f, indent=1)
+    except OSError:
+        pass
+    return speedup
 
 
 @functools.cache
 def bf16_is_fast(device_type: str = "cpu") -> bool:
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    forced = os.environ.get("HSPEC_CPU_BF16", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"HSPEC_CPU_BF16={forced!r}: set it to 1 (bf16 on CPU), 0 (fp32) or leave it unset (measure)")
     flags = cpu_flags()
     if flags:
-        return any(f in flags for f in NATIVE_BF16_CPU_FLAGS)
-    capability = torch.backends.cpu.get_cpu_capability().upper()
-    return "AVX512_BF16" in capability or "AMX" in capability
+        native = any(f in flags for f in NATIVE_BF16_CPU_FLAGS)
+    else:
+        capability = torch.backends.cpu.get_cpu_capability().upper()
+        native = "AVX512_BF16" in capability or "AMX" in capability
+    return native and cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
 
 
 def resolve_dtype(name: str | torch.dtype, device_type: str = "cpu") -> torch.dtype:

@@ -2,8 +2,9 @@
 
 A drafter learns to predict *its target's* tokens, so its training replies should be written by that
 target in its own chat template, not by ChatGPT (ShareGPT) or a human. This module runs every prompt
-through the reference engine (`SpeculativeEngine`, `none` drafter by default: plain decoding, many
-requests per forward over the ragged KV cache) and writes SpecForge JSONL.
+through the target (plain decoding by default, continuously batched: `ContinuousDecoder` keeps `slots`
+rows of the ragged KV cache busy, refilling each as its reply ends; or `SpeculativeEngine` with a
+drafter) and writes SpecForge JSONL.
 
 Turns: the first `max_turns` user turns of each conversation are answered one after another, each
 reply conditioned on the regenerated history; the conversation is cut after the last regenerated
@@ -19,9 +20,11 @@ uninterrupted run would have. After the last batch the shards are merged into `t
 `heldout.jsonl` (the split of `data.in_heldout`) and `stats.json`.
 
 Sampling: a seed per batch and turn, derived from the base seed and the batch's ids (the engine
-draws a batch from one generator), so reruns reproduce their draws. Outputs whose tail is an exact
-repetition loop are dropped and counted as skipped (`repetition_loop`): a 135M target under greedy
-decoding loops often, and looping text would inflate in-training acceptance.
+draws a batch from one generator), so reruns reproduce their draws. Replies whose tail is an exact
+repetition loop (a 135M target under greedy decoding loops often, and looping text would inflate
+in-training acceptance) are either dropped and counted as skipped (`loops="drop"`, reason
+`repetition_loop`) or cut just after the loop's first cycle (`loops="truncate"`: the text before the
+loop is the target's own and worth keeping; a cut reply counts as truncated and ends the conversation).
 """
 
 from __future__ import annotations
@@ -96,6 +99,21 @@ def repetition_loop(token_ids: Sequence[int], *, max_period: int = 64, min_repea
         if all(tail[i] == tail[i - p] for i in range(p, span)):
             return p
     return None
+
+
+def loop_start(token_ids: Sequence[int], period: int) -> int:
+    """Where the periodic tail of `token_ids` (period `period`, as found by `repetition_loop`) begins to
+    repeat: the smallest s with ids[i] == ids[i - period] for every i >= s. ids[:s] holds the text
+    before the loop and its first cycle."""
+    ids = list(token_ids)
+    s = len(ids)
+    while s - 1 - period >= 0 and ids[s - 1] == ids[s - 1 - period]:
+        s -= 1
+    return s
+
+
+LOOP_HANDLING = ("drop", "truncate")
+MIN_TRUNCATED_REPLY_TOKENS = 16  # a reply cut before its loop keeps at least this much, or is dropped
 
 
 # ------------------------------------------------------------------ shards
@@ -186,7 +204,7 @@ def _user_turn_positions(conversation: list[dict[str, str]]) -> list[int]:
 
 def _regenerate_batch(engine, tokenizer, batch: list[_Pending], *, sampling: SamplingParams, max_turns: int,
                       max_prompt_tokens: int, base_seed: int, loop_guard: dict[str, int],
-                      progress: _Progress) -> list[dict[str, Any]]:
+                      progress: _Progress, loops: str = "drop") -> list[dict[str, Any]]:
     """Turn t of every conversation in the batch in one engine call, t = 0 .. max_turns - 1. Returns one
     result per record: {id, status, reason, conversations, target_tokens, truncated}."""
     from sglang_hspec.assets.prompts import chat_input_ids
@@ -222,15 +240,23 @@ def _regenerate_batch(engine, tokenizer, batch: list[_Pending], *, sampling: Sam
         progress.seconds += time.perf_counter() - t0
         for b, res in zip(rows, results):
             progress.generated_tokens += len(res.output_ids)
-            text = (res.text or "").strip()
-            if repetition_loop(res.output_ids, **loop_guard) is not None:
+            ids, text, cut = list(res.output_ids), (res.text or "").strip(), False
+            period = repetition_loop(ids, **loop_guard)
+            if period is not None and loops == "truncate":
+                ids = ids[:loop_start(ids, period)]
+                text = tokenizer.decode(ids, skip_special_tokens=True).strip() \
+                    if len(ids) >= MIN_TRUNCATED_REPLY_TOKENS else ""
+                period, cut = (None, True) if text else (period, False)
+            if period is not None:
                 reason[b] = "repetition_loop"
             elif not text:
                 reason[b] = "empty_reply"
             else:
                 history[b].append({"role": "assistant", "content": text})
-                tokens[b] += len(res.output_ids)
-                truncated[b] += int(res.finish_reason == "length")
+                tokens[b] += len(ids)
+                truncated[b] += int(cut or res.finish_reason == "length")
+                if cut:  # the next turn would answer a cut reply: stop the conversation here
+                    reason[b] = "repetition_loop_truncated"
     out = []
     for b, p in enumerate(batch):
         replies = sum(m["role"] == "assistant" for m in history[b])
@@ -314,11 +340,14 @@ def regenerate(
     top_k: int = 0, seed: int = 0, max_turns: int = 1, max_prompt_tokens: int = 1024,
     heldout_fraction: float = 0.02, exclude_texts: set[str] = frozenset(), limit: int | None = None,
     loop_guard: dict[str, int] | None = None, max_batches: int | None = None, progress: bool = True,
+    loops: str = "drop",
 ) -> RegenStats:
-    """Regenerate the assistant turns of the records in `in_paths` with `engine` (a SpeculativeEngine)
-    into `out_dir` (see the module docstring); resumes from the shards already there. `max_batches`
+    """Regenerate the assistant turns of the records in `in_paths` with `engine` (`ContinuousDecoder` or
+    `SpeculativeEngine`) into `out_dir` (see the module docstring); resumes from the shards already there. `max_batches`
     stops after that many batches this run (the shards stay; a later call continues). Returns the
     accounting over every input record, this run's throughput included."""
+    if loops not in LOOP_HANDLING:
+        raise ValueError(f"loops={loops!r}: choose one of {LOOP_HANDLING}")
     if batch_size < 1 or max_turns < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size ({batch_size}), max_turns ({max_turns}) and max_new_tokens "
                          f"({max_new_tokens}) must be >= 1")
@@ -337,7 +366,7 @@ def regenerate(
             max_batch_tokens=max_batch_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, max_turns=max_turns, max_prompt_tokens=max_prompt_tokens,
             heldout_fraction=heldout_fraction, exclude_texts=exclude_texts, limit=limit, loop_guard=loop_guard,
-            max_batches=max_batches, progress=progress)
+            max_batches=max_batches, progress=progress, loops=loops)
 
 
 @contextlib.contextmanager
@@ -356,7 +385,7 @@ def _exclusive(out_dir: Path):
 
 def _regenerate_locked(*, engine, tokenizer, in_paths, out_dir: Path, batch_size, max_batch_tokens, max_new_tokens,
                        temperature, top_p, top_k, seed, max_turns, max_prompt_tokens, heldout_fraction,
-                       exclude_texts, limit, loop_guard, max_batches, progress) -> RegenStats:
+                       exclude_texts, limit, loop_guard, max_batches, progress, loops) -> RegenStats:
     shard_dir = out_dir / SHARD_DIR
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
     done = _read_statuses(shard_dir)
@@ -387,14 +416,14 @@ def _regenerate_locked(*, engine, tokenizer, in_paths, out_dir: Path, batch_size
         try:
             results = _regenerate_batch(engine, tokenizer, batch, sampling=sampling, max_turns=max_turns,
                                         max_prompt_tokens=max_prompt_tokens, base_seed=seed, loop_guard=guard,
-                                        progress=run)
+                                        progress=run, loops=loops)
         except Exception:  # noqa: BLE001 - one bad record must not lose its batch: retry one by one
             results = []
             for rec in batch:
                 try:
                     results += _regenerate_batch(engine, tokenizer, [rec], sampling=sampling, max_turns=max_turns,
                                                  max_prompt_tokens=max_prompt_tokens, base_seed=seed,
-                                                 loop_guard=guard, progress=run)
+                                                 loop_guard=guard, progress=run, loops=loops)
                 except Exception as e:  # noqa: BLE001
                     results.append({"id": rec.id, "status": "failed", "reason": f"{type(e).__name__}: {e}",
                                     "conversations": [], "target_tokens": 0, "truncated": 0})
@@ -443,14 +472,22 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--out", required=True, help="output directory (shards/, train.jsonl, heldout.jsonl, stats.json)")
     r.add_argument("--target", default="embedded", help="'embedded' (SmolLM2) or a local HF chat model directory")
     r.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 (auto: bf16 only where it is native)")
-    r.add_argument("--drafter", default="none", help="none (plain decoding) | ngram | a drafter checkpoint")
-    r.add_argument("--batch-size", type=int, default=32, help="requests per engine call")
-    r.add_argument("--max-batch-tokens", type=int, default=8192,
-                   help="cap on rows x longest prompt per batch (prefill computes logits at every position)")
+    r.add_argument("--drafter", default="none",
+                   help="none (plain decoding, continuously batched over --slots rows) | ngram | a drafter checkpoint")
+    r.add_argument("--batch-size", type=int, default=128,
+                   help="requests per engine call, committed together as one resumable shard")
+    r.add_argument("--slots", type=int, default=32,
+                   help="drafter none: rows decoded together; a row whose reply ends takes the next prompt at once")
+    r.add_argument("--max-batch-tokens", type=int, default=65536,
+                   help="cap on requests x longest prompt per batch (a speculative drafter prefills a whole batch "
+                        "in one forward; drafter none prefills the rows that free up)")
     r.add_argument("--max-new-tokens", type=int, default=512)
     r.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
     r.add_argument("--max-turns", type=int, default=1, help="user turns answered per conversation (1: first only)")
     r.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (loops often on a 135M target)")
+    r.add_argument("--loops", choices=LOOP_HANDLING, default="truncate",
+                   help="a reply ending in an exact repetition loop: keep it up to the loop's first cycle "
+                        "(truncate) or drop it (drop)")
     r.add_argument("--top-p", type=float, default=0.95)
     r.add_argument("--top-k", type=int, default=0)
     r.add_argument("--seed", type=int, default=0)
@@ -463,6 +500,7 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
 def run_cli(args) -> int:
     import torch
 
+    from sglang_hspec.engine.continuous import ContinuousDecoder
     from sglang_hspec.engine.engine import SpeculativeEngine
     from sglang_hspec.engine.loading import load_drafter_spec
     from sglang_hspec.target.loading import load_target
@@ -470,13 +508,16 @@ def run_cli(args) -> int:
 
     torch.set_num_threads(args.threads)
     adapter = load_target(args.target, dtype=args.dtype)
-    engine = SpeculativeEngine(adapter, load_drafter_spec(args.drafter, adapter))
+    if args.drafter == "none":
+        engine = ContinuousDecoder(adapter, slots=args.slots)
+    else:
+        engine = SpeculativeEngine(adapter, load_drafter_spec(args.drafter, adapter))
     stats = regenerate(
         engine=engine, tokenizer=adapter.tokenizer, in_paths=args.in_paths, out_dir=args.out,
         batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens, heldout_fraction=args.heldout,
-        exclude_texts=evaluation_prompt_texts(), limit=args.limit, max_batches=args.max_batches,
+        exclude_texts=evaluation_prompt_texts(), limit=args.limit, max_batches=args.max_batches, loops=args.loops,
     )
     print(json.dumps({**msgspec.structs.asdict(stats),
                       "this_run_tokens_per_second": round(stats.this_run_tokens_per_second, 1)}))

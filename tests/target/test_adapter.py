@@ -42,6 +42,23 @@ def test_ragged_extend_matches_a_full_forward(arch):
         torch.testing.assert_close(out.hidden[b, :m], ref.hidden[0, n - m:], rtol=1e-9, atol=1e-9)
 
 
+def test_last_logits_only_returns_each_rows_last_real_token():
+    """A prefill's logits at each row's own last token only (three rows, two of them the same length,
+    so one kept position serves two rows), equal to the full logits there; K/V and lengths as usual."""
+    tokens = torch.tensor([[5, 6, 7, 8], [12, 13, 2, 2], [20, 21, 2, 2]])
+    num = torch.tensor([4, 2, 2])
+    full = TargetAdapter(tiny_target("llama", dtype=torch.float64, num_layers=2))
+    full.reset(3, capacity=8)
+    ref = full.extend(tokens, num_tokens=num).logits
+    last = TargetAdapter(full.model)
+    last.reset(3, capacity=8)
+    out = last.extend(tokens, num_tokens=num, last_logits_only=True)
+    assert out.logits.shape == (3, 1, ref.shape[-1]) and last.lengths.tolist() == [4, 2, 2]
+    torch.testing.assert_close(out.logits[:, 0], ref[torch.arange(3), num - 1], rtol=1e-9, atol=1e-9)
+    assert not torch.equal(out.logits[1, 0], out.logits[2, 0])
+    torch.testing.assert_close(last.cache.layers[1].keys, full.cache.layers[1].keys, rtol=0, atol=0)
+
+
 def test_truncate_rolls_back_in_place_and_the_next_extend_overwrites():
     """Rollback only lowers lengths (O(1)); extending after it writes the same K/V and logits as a
     forward over the kept prefix plus the new tokens."""

@@ -8,10 +8,15 @@ from sglang_hspec.target import dtypes
 def fake_cpu(monkeypatch):
     """Pretend to run on a CPU with the given /proc/cpuinfo flags and torch capability string."""
 
-    def set_cpu(flags, capability="AVX2"):
+    def set_cpu(flags, capability="AVX2", speedup=2.3):
+        """`speedup`: what the bf16 micro-benchmark would measure (fp32 time / bf16 time)."""
         monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        probes = []
+        monkeypatch.setattr(dtypes, "cpu_bf16_speedup", lambda: probes.append(1) or speedup)
+        monkeypatch.delenv("HSPEC_CPU_BF16", raising=False)
         dtypes.bf16_is_fast.cache_clear()
+        return probes
 
     yield set_cpu
     dtypes.bf16_is_fast.cache_clear()
@@ -24,9 +29,43 @@ def fake_cpu(monkeypatch):
     ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "AVX512", torch.bfloat16),  # Sapphire Rapids
 ])
 def test_auto_dtype_follows_the_cpu_flags_not_the_capability_string(fake_cpu, flags, capability, want):
-    fake_cpu(flags, capability)
+    probes = fake_cpu(flags, capability)
     assert dtypes.resolve_dtype("auto", "cpu") == want
+    # only a CPU whose flags allow bf16 is measured; emulated bf16 needs no benchmark to lose
+    assert len(probes) == (want == torch.bfloat16)
     assert dtypes.resolve_dtype("fp32", "cpu") == torch.float32 and dtypes.resolve_dtype("bf16", "cpu") == torch.bfloat16
+
+
+@pytest.mark.parametrize("speedup, want", [(2.3, torch.bfloat16), (1.1, torch.bfloat16), (1.05, torch.float32),
+                                           (0.61, torch.float32)])
+def test_bf16_flags_are_not_enough_the_measured_speedup_decides(fake_cpu, speedup, want):
+    """0.61: the Intel Xeon with avx512_bf16 listed where fp32 ran SmolLM2's MLP matmul faster."""
+    fake_cpu({"avx2", "avx512f", "avx512_bf16"}, "AVX512", speedup=speedup)
+    assert dtypes.resolve_dtype("auto", "cpu") == want
+
+
+def test_hspec_cpu_bf16_overrides_the_measurement(fake_cpu, monkeypatch):
+    probes = fake_cpu({"avx2", "avx512f", "avx512_bf16"}, "AVX512", speedup=0.5)
+    monkeypatch.setenv("HSPEC_CPU_BF16", "1")
+    assert dtypes.resolve_dtype("auto", "cpu") == torch.bfloat16 and probes == []
+    dtypes.bf16_is_fast.cache_clear()
+    monkeypatch.setenv("HSPEC_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="HSPEC_CPU_BF16='yes'.*1.*0"):
+        dtypes.resolve_dtype("auto", "cpu")
+
+
+def test_the_speedup_is_measured_once_and_cached_per_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("HSPEC_CACHE_DIR", str(tmp_path))
+    timed = []
+    monkeypatch.setattr(dtypes, "_matmul_seconds",
+                        lambda rows, dtype: timed.append(rows) or (2.0 if dtype == torch.float32 else 1.0) * rows)
+    assert dtypes.cpu_bf16_speedup() == pytest.approx(2.0)
+    assert sorted(set(timed)) == sorted(dtypes.BF16_PROBE_ROWS)
+    timed.clear()
+    assert dtypes.cpu_bf16_speedup() == pytest.approx(2.0) and timed == []  # read back from the cache
+    monkeypatch.setattr(dtypes, "cpu_model", lambda: "another CPU")
+    dtypes.cpu_bf16_speedup()
+    assert timed  # another CPU model is measured anew
 
 
 def test_without_proc_cpuinfo_the_capability_string_decides(fake_cpu):

@@ -21,7 +21,7 @@ from sglang_hspec.target.loading import load_target
 from sglang_hspec.training import regenerate as regen_module
 from sglang_hspec.training.data import in_heldout, read_jsonl
 from sglang_hspec.training.data_cli import main as data_main
-from sglang_hspec.training.regenerate import RegenStats, regenerate, repetition_loop
+from sglang_hspec.training.regenerate import RegenStats, loop_start, regenerate, repetition_loop
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,6 +37,17 @@ def test_repetition_loop_finds_exact_tail_loops_only():
     assert repetition_loop(intro + cycle * 3 + [1]) is None  # the loop must reach the end
     assert repetition_loop(intro + [5, 6] * 3, min_loop_tokens=6) == 2
     assert repetition_loop(intro + cycle * 3, max_period=19) is None
+
+
+def test_loop_start_is_where_the_periodic_tail_begins_to_repeat():
+    intro = list(range(100, 140))
+    cycle = list(range(200, 220))
+    ids = intro + cycle * 3 + cycle[:7]
+    assert loop_start(ids, repetition_loop(ids)) == 60  # intro (40) + one cycle (20) kept
+    # the intro's last tokens happen to continue the cycle: they belong to the loop's first cycle
+    ids = [1, 2, 3, 8, 9] + [7, 8, 9] * 12
+    assert loop_start(ids, 3) == 6 and ids[:6] == [1, 2, 3, 8, 9, 7]  # one cycle (8, 9, 7) kept
+    assert loop_start([4] * 40, 1) == 1
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +79,10 @@ class ScriptedEngine:
                 raise RuntimeError("scripted failure")
             if "LOOP" in last:
                 loop = self.tok("ab cd ef", add_special_tokens=False)["input_ids"]
-                ids_out = (loop * 40)[: sampling.max_new_tokens]
+                # TAIL: a reply that loops only after a good start of its own
+                intro = self.tok(" ".join(f"w{i}" for i in range(12)), add_special_tokens=False)["input_ids"] \
+                    if "TAIL" in last else []
+                ids_out = (intro + loop * 40)[: sampling.max_new_tokens]
             elif "EMPTY" in last:
                 ids_out = []
             else:
@@ -133,6 +147,27 @@ def test_accounting_multi_turn_loops_and_failures(tmp_path, tokenizer):
                       heldout_fraction=0.3, progress=False)
     assert again.calls == [] and same.this_run_records == 0
     assert (same.succeeded, same.failed, same.skip_reasons) == (stats.succeeded, stats.failed, stats.skip_reasons)
+
+
+def test_truncate_keeps_the_reply_up_to_its_loops_first_cycle(tmp_path, tokenizer):
+    recs = [{"id": "tail", "conversations": _conv("TAIL LOOP", "old", "more?", "old")},
+            {"id": "loop", "conversations": _conv("LOOP please", "old")},  # all loop: too little kept
+            {"id": "fine", "conversations": _conv("fine", "old")}]
+    stats = regenerate(engine=ScriptedEngine(tokenizer), tokenizer=tokenizer,
+                       in_paths=[_write(tmp_path / "in.jsonl", recs)], out_dir=tmp_path / "out", batch_size=4,
+                       max_new_tokens=120, max_turns=2, heldout_fraction=0.0, progress=False, loops="truncate")
+    intro = tokenizer(" ".join(f"w{i}" for i in range(12)), add_special_tokens=False)["input_ids"]
+    cycle = tokenizer("ab cd ef", add_special_tokens=False)["input_ids"]
+    rows = {r["id"]: r["conversations"] for r in read_jsonl(tmp_path / "out" / "train.jsonl")}
+    # the reply is cut after the first cycle and the conversation ends there (no second turn)
+    assert rows["tail"] == _conv("TAIL LOOP", tokenizer.decode(intro + cycle, skip_special_tokens=True).strip())
+    assert rows["fine"] == _conv("fine", "reply 4")
+    assert (stats.succeeded, stats.skipped, stats.skip_reasons) == (2, 1, {"repetition_loop": 1})
+    reply = tokenizer("reply 4", add_special_tokens=False)["input_ids"]
+    assert stats.truncated_replies == 1 and stats.target_tokens == len(intro + cycle) + len(reply)
+    with pytest.raises(ValueError, match="loops='keep'"):
+        regenerate(engine=ScriptedEngine(tokenizer), tokenizer=tokenizer, in_paths=[tmp_path / "in.jsonl"],
+                   out_dir=tmp_path / "out2", loops="keep", progress=False)
 
 
 def test_sampling_seed_is_per_batch_and_reproducible(tmp_path, tokenizer):
