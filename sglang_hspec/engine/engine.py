@@ -250,7 +250,9 @@ class SpeculativeEngine:
 
             block = torch.cat([anchors[ridx][:, None], draft], dim=1)
             out = adapter.extend(block, num_tokens=1 + verify_len, rows=ridx, hidden_layer_ids=hidden_ids)
-            target_probs = sampling_probs(out.logits, sampling)
+            # greedy acceptance reads only the argmax: the logits' is the one-hot's, without building a
+            # [B, L, V] one-hot (14 % of a 32-row plain decode step)
+            target_probs = out.logits if sampling.greedy else sampling_probs(out.logits, sampling)
             num_acc, next_tok = accept_block(draft_tokens=draft, verify_lengths=verify_len, target_probs=target_probs,
                                              draft_probs=q, greedy=sampling.greedy, generator=generator)
             if observe is not None and drafted.numel():

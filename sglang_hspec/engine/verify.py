@@ -20,6 +20,7 @@ def accept_block(
     the target's (sampling-transformed) distribution at each draft slot and one past it; draft_probs
     [B, L, V] or None for a deterministic drafter (q one-hot on its token).
 
+    Greedy reads only the argmax of target_probs (the target's logits serve as well as its one-hot).
     Greedy: the longest prefix equal to the target argmax, then the target's argmax at the first
     mismatch (or past the block). Sampling: standard speculative rejection sampling: keep slot j
     with probability min(1, p(x)/q(x)); at the first rejection draw from normalise((p - q)+); when

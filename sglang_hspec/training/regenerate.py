@@ -50,7 +50,9 @@ from sglang_hspec.core.types import SamplingParams
 from sglang_hspec.training.data import _norm_text, in_heldout, normalize_conversation, read_jsonl
 
 SHARD_DIR = "shards"
-SORT_WINDOW_BATCHES = 32  # records are length-sorted within windows of this many batches
+SORT_WINDOW_BATCHES = 32  # records are length-sorted within windows of this many batches,
+SORT_WINDOW_MAX_RECORDS = 1024  # ... but at most this many records (a whole batch at least): a run stopped
+# early must hold a fair sample of the prompts, not the shortest ones of the whole input
 
 
 class RegenStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -310,6 +312,12 @@ def _plan(records: Iterable[dict[str, Any]], *, tokenizer, exclude_texts: set[st
     return pending, skipped, n
 
 
+def sort_window(batch_size: int) -> int:
+    """Records per length-sorted window: SORT_WINDOW_BATCHES batches, capped at the whole batches that fit in
+    SORT_WINDOW_MAX_RECORDS (one batch at least), so that windows cut at batch boundaries."""
+    return min(SORT_WINDOW_BATCHES * batch_size, max(batch_size, SORT_WINDOW_MAX_RECORDS // batch_size * batch_size))
+
+
 def _order(pending: list[_Pending], *, window: int) -> list[_Pending]:
     """A fixed pseudo-random order (by id hash), each run of `window` records sorted by prompt length: a
     run stopped half way holds a fair sample of every source, and batches pad little."""
@@ -401,7 +409,7 @@ def _regenerate_locked(*, engine, tokenizer, in_paths, out_dir: Path, batch_size
 
     pending, pre_skipped, num_input = _plan(records(), tokenizer=tokenizer, exclude_texts=exclude_texts,
                                             max_prompt_tokens=max_prompt_tokens)
-    ordered = _order(pending, window=SORT_WINDOW_BATCHES * batch_size)
+    ordered = _order(pending, window=sort_window(batch_size))
     # committed records are whole batches at the front of this order: dropping them keeps the batch cuts
     batches = _batches([p for p in ordered if p.id not in done], batch_size=batch_size,
                        max_batch_tokens=max_batch_tokens)

@@ -21,7 +21,7 @@ from sglang_hspec.target.loading import load_target
 from sglang_hspec.training import regenerate as regen_module
 from sglang_hspec.training.data import in_heldout, read_jsonl
 from sglang_hspec.training.data_cli import main as data_main
-from sglang_hspec.training.regenerate import RegenStats, loop_start, regenerate, repetition_loop
+from sglang_hspec.training.regenerate import RegenStats, loop_start, regenerate, repetition_loop, sort_window
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,6 +48,11 @@ def test_loop_start_is_where_the_periodic_tail_begins_to_repeat():
     ids = [1, 2, 3, 8, 9] + [7, 8, 9] * 12
     assert loop_start(ids, 3) == 6 and ids[:6] == [1, 2, 3, 8, 9, 7]  # one cycle (8, 9, 7) kept
     assert loop_start([4] * 40, 1) == 1
+
+
+def test_sort_windows_are_whole_batches_and_at_most_1024_records():
+    # 32 batches while small; capped so that a large batch size does not sort the whole input by length
+    assert [sort_window(b) for b in (2, 32, 100, 512, 1024, 3000)] == [64, 1024, 1000, 1024, 1024, 3000]
 
 
 @pytest.fixture(scope="module")
