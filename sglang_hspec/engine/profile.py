@@ -30,7 +30,7 @@ def make_step_fn(*, max_batch_tokens: int, tokens_per_request: int = 8, target: 
                  dtype: str = "auto", context: int = 128, device: str | None = None, max_requests: int = 64,
                  drafter: str = "default"):
     """`step_fn(batch_tokens)` over `target` ('embedded' SmolLM2, 'tiny', or a local HF model directory;
-    dtype auto = bf16 where it is native, else fp32), with `plain_fn` and `draft_fn` for up to
+    dtype auto = bf16 where it is faster, else fp32), with `plain_fn` and `draft_fn` for up to
     `max_requests` requests. drafter: 'default' (the shipped one on the embedded target, else none),
     'none', 'shipped' or a checkpoint directory. Keywords come from `--factory-arg KEY=VALUE`."""
     if tokens_per_request < 1 or max_batch_tokens < 1 or context < 1:

@@ -24,7 +24,7 @@ _ALIASES = {"smollm2": "embedded"}
 def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                 tiny_kwargs: dict[str, Any] | None = None, batch_invariant: bool = False) -> TargetAdapter:
     """A `TargetAdapter` over the frozen (eval, no grad) target named by `spec` (see module docstring).
-    `dtype` 'auto' picks bf16 only where this device computes it natively (target/dtypes.py);
+    `dtype` 'auto' picks bf16 only where this device computes it faster than fp32 (target/dtypes.py);
     `batch_invariant` runs its attention batch-invariantly (target/adapter.py)."""
     spec = _ALIASES.get(str(spec), str(spec))
     device = torch.device(device)

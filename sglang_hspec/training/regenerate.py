@@ -479,7 +479,7 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
                    help="SpecForge JSONL of prompts (repeatable), e.g. the train.jsonl and heldout.jsonl of `data build`")
     r.add_argument("--out", required=True, help="output directory (shards/, train.jsonl, heldout.jsonl, stats.json)")
     r.add_argument("--target", default="embedded", help="'embedded' (SmolLM2) or a local HF chat model directory")
-    r.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 (auto: bf16 only where it is native)")
+    r.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 (auto: bf16 only where it is faster here)")
     r.add_argument("--drafter", default="none",
                    help="none (plain decoding, continuously batched over --slots rows) | ngram | a drafter checkpoint")
     r.add_argument("--batch-size", type=int, default=128,
