@@ -5,7 +5,9 @@ plain decoding is expected to commit more tokens per second than speculation (th
 `sglang_hspec.scheduler.switch.decide_speculation`, as in the reference engine's `auto` policy);
 `never` skips it on every step, `always` (the default) on none.
 
-A no-draft step runs DSpark's own decode path with two stand-ins for that step only:
+A no-draft step is read at stride 1 by the worker (`HSpecWorkerV2._forward_plain`, plain_step.py), whose
+results equal this path's; where it does not apply (grammars, logprobs, ...: `_plain_fallback_reason`), the
+step runs DSpark's own decode path with two stand-ins for that step only:
 
 - `AnchorOnlyProposer` instead of `DraftBlockProposer`: no drafter forward, no heads; the block ids are the
   anchor (the previous bonus token) followed by mask tokens, drafted "by argmax" (one-hot draft

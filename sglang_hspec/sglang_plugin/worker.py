@@ -1,15 +1,17 @@
 """`HSpecWorkerV2`: SGLang's DSpark worker with H-Spec's drafter (docs/architecture.md,
 "One request through the SGLang worker"). Inherited unchanged: block proposal (argmax drafts on all-greedy steps:
 `greedy_drafts_for_greedy_batches`), Markov/confidence heads, STS, SPS planner, verify/accept,
-overlap relay and `_forward_prefill` / `_forward_decode`; the planner's two decisions (verify budget,
-per-request lengths) come from `sglang_hspec.scheduler.planner` through `planner_hooks.py`. Replaced:
+overlap relay and `_forward_prefill` / `_forward_decode` (of drafting steps); the planner's two decisions (verify
+budget, per-request lengths) come from `sglang_hspec.scheduler.planner` through `planner_hooks.py`. Replaced:
 
 - memory: no drafter KV pool. The draft runner gets a dummy 64-token pool for SGLang's bookkeeping and
   is then bound to the target's pool, before the attention backends capture it (docs/architecture.md, "No drafter KV");
 - context: per-request projected target hidden states (`ContextState`) instead of injected drafter KV,
   written from the prefill capture (last prompt row) and the verify capture (row commit_lens - 1);
 - draft model: architectures ["HSpecDraftModel"], whose attention reads the target KV pool in place
-  (`PagedKVWindow`: sglang_hspec/kernels, Triton on CUDA, FP8 pools with the target's k/v scales).
+  (`PagedKVWindow`: sglang_hspec/kernels, Triton on CUDA, FP8 pools with the target's k/v scales);
+- steps without drafting (HSPEC_SPECULATION, speculation_switch.py): one target forward over the anchors read
+  at stride 1 (`_forward_plain`, plain_step.py), else DSpark's decode path with the anchor-only stand-ins.
 
 Imports SGLang; imported only by the worker factory inside the scheduler process.
 """
@@ -21,13 +23,22 @@ import logging
 from typing import NamedTuple
 
 import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.speculative.base_spec_worker import HiCacheDraftPlan
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+from sglang.srt.speculative.dspark_components.dspark_draft import make_next_draft_input
+from sglang.srt.speculative.dspark_components.dspark_observability import InfoSegment
 from sglang.srt.speculative.dspark_components.dspark_verify import TargetVerifyExecutor
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
+from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 
 from sglang_hspec.model import hspec as _hspec_model
 
 from .context import ContextState, drafter_kv_bytes_saved, prefill_last_rows, verify_commit_rows
+from .plain_step import anchor_window, draw_anchor_bonus, plain_step_forward
 from .speculation_policy import speculation_policy
 from .speculation_switch import (
     AnchorOnlyPlanner,
@@ -168,6 +179,8 @@ class HSpecWorkerV2(DSparkWorkerV2):
             raise RuntimeError(
                 "HSPEC_SPECULATION=auto decides from the drafter's relayed confidences, which SGLang computes only "
                 "with a ragged verify mode: launch with SGLANG_RAGGED_VERIFY_MODE=compact")
+        self._plain_paths_logged: set[str] = set()
+        self._plain_step_forward = plain_step_forward()
         self._step_timer = StepTimer.from_env()
         if self._step_timer is not None:
             self._instrument(self._step_timer)
@@ -253,6 +266,10 @@ class HSpecWorkerV2(DSparkWorkerV2):
         try:
             if draft:
                 return super()._forward_decode(batch, on_publish, grammar_barrier, coordination_plan)
+            fallback = self._plain_fallback_reason(batch)
+            if fallback is None:
+                return self._forward_plain(batch, on_publish)
+            self._log_once(f"HSPEC: a step without drafting takes DSpark's anchor-only path: {fallback}")
             # DSpark's own decode path, with the proposer and planner of a step without drafting
             proposer, planner = self._proposer, self._verify_planner
             self._proposer, self._verify_planner = self._anchor_only_proposer, self._anchor_only_planner
@@ -263,6 +280,151 @@ class HSpecWorkerV2(DSparkWorkerV2):
         finally:
             if timer is not None:
                 timer.end_step()
+
+    # ---- a step without drafting at stride 1 (plain_step.py) ----
+    def _plain_fallback_reason(self, batch) -> str | None:
+        """Why this step without drafting must take DSpark's anchor-only path (the stand-ins) instead of
+        `_forward_plain`, or None. The stand-in path handles everything DSpark handles; `_forward_plain`
+        only what it reproduces exactly, without reading a device value on the host."""
+        if self._target_is_mambaish:
+            return "hybrid (mamba) target: its verify state commit is DSpark's"
+        if get_parallel().attn_dp_enabled or get_parallel().pp_size > 1:
+            return "DP attention or pipeline parallelism"
+        if (self._simulate_acc_len > 0 and self._simulate_acc_len != 1.0) or self._sim_draw_ahead:
+            # SGLANG_SIMULATE_ACC_LEN=1.0 (the SPS profiler's) commits the bonus alone: a step without drafting
+            return "SGLANG_SIMULATE_ACC_LEN other than 1.0"
+        if self._verify_inputs_ready is not None:
+            return "early verify metadata (SGLANG_OPT_DSV41_TARGET_METADATA_EARLY)"
+        if self._observers._block_accept_recorder is not None:
+            return "the block-accept estimator (SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH) records drafts"
+        if self.model_runner.ngram_embedding_manager.engram_hasher is not None:
+            return "engram target: its history commit is DSpark's"
+        if not isinstance(batch.spec_info, DFlashDraftInputV2):
+            return "no DSpark draft input on the batch"
+        if batch.has_grammar:
+            return "grammar-constrained request"
+        if batch.return_logprob:
+            return "logprobs requested"
+        info = batch.sampling_info
+        if info is not None and info.has_custom_logit_processor:
+            return "custom logit processor"
+        if info is not None and info.sampling_mask_batch_indices is not None:
+            return "sampling masks requested"
+        return None
+
+    def _log_once(self, message: str) -> None:
+        """Which path steps without drafting take, logged the first time each is taken."""
+        if message not in self._plain_paths_logged:
+            self._plain_paths_logged.add(message)
+            logger.info(message)
+
+    def _forward_plain(self, batch, on_publish) -> GenerationBatchResult:
+        """A decode step without drafting (plain_step.py): one target forward over each request's anchor, the
+        bonus drawn from the anchor row, one committed token per request; the result has stride 1."""
+        draft_input, sampling_info = batch.spec_info, batch.sampling_info
+        prefix_lens = batch.seq_lens
+        bs = len(prefix_lens)
+        prefix_lens.record_stream(torch.get_device_module(self.device).current_stream())
+        self._observers.begin_step()
+        anchor = draft_input.bonus_tokens.view(-1)
+        layout = self._anchor_only_planner.layout(bs=bs, device=self.device)  # cached per batch size
+        with self._observers.segment(InfoSegment.TARGET_VERIFY):
+            logits_output, can_run_cuda_graph = self._plain_forward(batch, layout=layout, anchor=anchor, bs=bs)
+        bonus = self._plain_bonus(logits_output.next_token_logits, sampling_info, draft_input)
+        ones = torch.ones(bs, dtype=torch.int32, device=self.device)  # tokens committed per request: the anchor
+        new_seq_lens = prefix_lens + 1
+        if on_publish is not None:
+            on_publish(new_seq_lens)  # no confidences: nothing was drafted
+        self._plain_commit(batch, logits_output.hidden_states)
+        logits_output.hidden_states = None
+        zeros = torch.zeros(bs, dtype=torch.int32, device=self.device)  # drafts accepted, trimmed by the cap
+        self._observers.observe_verify_step(
+            forward_ct=int(batch.forward_iter), reqs=batch.reqs, bs=bs, proposal_folded=False,
+            verify_ids_2d=anchor[:, None], target_logits=logits_output.next_token_logits, layout=layout,
+            confidence=None, confidence_raw=None, prefix_lens=prefix_lens,
+            draft_tokens=anchor.new_empty((bs, 0)), draft_block=None,  # read only by the block-accept estimator
+            sampling_info=sampling_info, correct_len=zeros, cap_trim_lens=zeros, bonus=bonus, commit_lens=ones,
+            verify_token_budget=None, req_pool_indices=batch.req_pool_indices,
+            verify_tier_num_tokens=int(batch.spec_verify_tier_num_tokens), dp_tier_num_tokens=None,
+        )
+        return GenerationBatchResult(
+            logits_output=logits_output, next_token_ids=bonus, accept_lens=ones, block_accept_lens=ones,
+            cap_lens=ones, can_run_cuda_graph=can_run_cuda_graph,
+            next_draft_input=make_next_draft_input(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=int(self.verify_num_draft_tokens), speculative_output_stride=1,
+            new_seq_lens=new_seq_lens,
+        )
+
+    def _plain_forward(self, batch, *, layout, anchor, bs):
+        """The target forward over each request's anchor: its logits and captured hidden states [bs, ...] (row i
+        is request i), with the sampling logit adjustments (penalties, logit bias) applied as DSpark's verify
+        applies them to each of its rows. The scheduler's forward isolation restores the batch fields changed
+        here, as it does for DSpark's verify."""
+        if self._plain_decodes(batch):
+            self._log_once("HSPEC: steps without drafting run the anchors as a DECODE forward, read at stride 1")
+            out = self._decode_anchors(batch, anchor=anchor)
+        else:
+            self._log_once("HSPEC: steps without drafting verify the anchors (TARGET_VERIFY, compact layout), read "
+                           "at stride 1")
+            out = self._verify_anchors(batch, layout=layout, anchor=anchor)
+        logits_output = out.logits_output
+        if logits_output.hidden_states is None:
+            raise RuntimeError("HSPEC verify requires the target hidden-state capture, got None")
+        logits_output.next_token_logits = logits_output.next_token_logits[:bs]
+        logits_output.hidden_states = logits_output.hidden_states[:bs]
+        apply_dflash_verify_logits_adjustments(next_token_logits=logits_output.next_token_logits,
+                                               sampling_info=batch.sampling_info, draft_token_num=1)
+        return logits_output, out.can_run_cuda_graph
+
+    def _plain_decodes(self, batch) -> bool:
+        """Whether the anchors run as an ordinary DECODE forward: on CPU without a CUDA graph runner, unless
+        HSPEC_PLAIN_STEP_FORWARD=verify (plain_step.py). With a graph runner, SGLang captured the target's graphs
+        in TARGET_VERIFY mode only, and a DECODE batch would pass their size check and replay a verify graph;
+        the 1-token compact verify replays a captured graph instead."""
+        return (self._plain_step_forward == "auto" and torch.device(self.device).type == "cpu"
+                and self.model_runner.decode_cuda_graph_runner is None and batch.seq_lens_cpu is not None)
+
+    def _decode_anchors(self, batch, *, anchor):
+        """The anchors as a DECODE batch, what a server without speculation runs: each request's anchor at
+        position prefix_len, written to the slot the scheduler reserved there (`req_to_token`), with the
+        drafter's hidden-state capture and no sampling (`is_verify`)."""
+        prefix_lens = batch.seq_lens
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        batch.out_cache_loc = req_to_token[batch.req_pool_indices, prefix_lens].to(torch.int64)
+        batch.forward_mode = ForwardMode.DECODE
+        batch.input_ids = anchor
+        batch.spec_info = None
+        batch.seq_lens = prefix_lens + 1  # a decode batch's lengths count the token it decodes
+        batch.seq_lens_cpu = batch.seq_lens_cpu + 1
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        return self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL,
+                                                           is_verify=True)
+
+    def _verify_anchors(self, batch, *, layout, anchor):
+        """DSpark's ragged verify forward (TARGET_VERIFY) over the packed anchors in the stand-ins' compact layout,
+        on a width-1 KV window: each request's slot at its prefix length, reserved by the scheduler's decode
+        preparation."""
+        seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.spec_info.nxt_kv_lens_cpu
+        plan = self.model_runner.kv_index_translator.plan_uniform_extend(
+            req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens, seq_lens_cpu=seq_lens_cpu, width=1)
+        window = anchor_window(anchor=anchor, prefix_lens=batch.seq_lens, write_loc=plan.write_virtual,
+                               num_tokens=layout.graph_num_tokens)
+        epilogue = self._verify_executor.verify_epilogue
+        if epilogue is not None:
+            epilogue.begin_step(layout.verify_lens, armed=False)  # its in-graph accept commits nothing
+        return self._verify_executor._run_ragged(batch=batch, layout=layout, ragged_window=window,
+                                                 sampling_info=batch.sampling_info, kv_loc_plan=plan)
+
+    def _plain_bonus(self, logits, sampling_info, draft_input) -> torch.Tensor:
+        bonus = draw_anchor_bonus(logits=logits, sampling_info=sampling_info, draft_input=draft_input,
+                                  fused_argmax=self._verify_executor._fused_argmax)
+        greedy = sampling_info is None or sampling_info.is_all_greedy
+        site = SpecTpSyncSite.DSPARK_ACCEPT_GREEDY if greedy else SpecTpSyncSite.DSPARK_ACCEPT_SAMPLE
+        return self._tp_sync.sync(site, bonus)  # every TP rank commits rank 0's token
+
+    def _plain_commit(self, batch, hidden) -> None:
+        """The context row of the anchor, the request's last committed token."""
+        self._context.write(batch.req_pool_indices, hidden)
 
     # ---- HSPEC_STEP_PROFILE (step_timer.py) ----
     def _instrument(self, timer: StepTimer) -> None:
@@ -291,6 +453,10 @@ class HSpecWorkerV2(DSparkWorkerV2):
         executor.accept_and_finalize = wrap(executor.accept_and_finalize, "accept")
         executor.commit_hidden = wrap(executor.commit_hidden, "commit")
         self._observers.observe_verify_step = wrap(self._observers.observe_verify_step, "observe")
+        # a step without drafting at stride 1: the same segment names as the stand-in path's pieces
+        self._plain_forward = wrap(self._plain_forward, "verify")
+        self._plain_bonus = wrap(self._plain_bonus, "accept")
+        self._plain_commit = wrap(self._plain_commit, "commit")
 
     def get_confidence_budget_prepare(self):
         prepare = super().get_confidence_budget_prepare()

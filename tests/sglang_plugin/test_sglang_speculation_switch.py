@@ -14,6 +14,10 @@ steps (the first decode step, then every 4, 8, 16, ... steps). The worker's step
   LM head x8 keeps the target peaked at temperature 1 (the unscaled random target is near-flat there). These
   tokens come from steps without drafting (after the greedy test the probe interval has grown past the ~25
   decode steps this takes); a drafting step's sampling is SGLang's own DSpark path.
+
+Steps without drafting take the stride-1 path here (`HSpecWorkerV2._forward_plain`), with the CPU default
+forward (DECODE); its TARGET_VERIFY forward and its fallback to DSpark's anchor-only path:
+test_sglang_plain_step.py.
 """
 
 from __future__ import annotations
@@ -78,8 +82,11 @@ def test_auto_greedy_equals_plain_decoding(tiny_checkpoints, auto_server):
     kinds = _kinds(profile)
     print("decode steps by kind:", kinds)
     assert kinds["plain"] > kinds["draft"] > 0, kinds  # mostly without drafting, probes in between
+    # ... at stride 1: no stand-in proposer ran (test_sglang_plain_step.py)
+    assert "draft" not in json.loads(profile.read_text())["seconds"]["plain"]
     log = srv.log()
     assert "HSPEC: speculation policy auto (HSPEC_SPECULATION)" in log
+    assert "HSPEC: steps without drafting run the anchors as a DECODE forward, read at stride 1" in log
     for o in one_by_one:  # per request: mostly anchor-only verifies (width 1), a probe now and then
         hist = o["meta_info"]["spec_cap_lens_histogram"]
         assert hist[1] > sum(hist[2:]), hist
