@@ -10,7 +10,8 @@ hypervisor lets oneDNN use: an AMD EPYC with avx512_bf16 ran a 512x576x1536 matm
 while an Intel Xeon (family 6 model 207, avx512_bf16 listed, no amx flags) ran SmolLM2's MLP matmul
 1.3-1.7x *slower* in bf16 than fp32 at 1-2048 rows. So where the flags allow bf16, a one-off
 micro-benchmark decides (`cpu_bf16_speedup`: SmolLM2's MLP shape at 1, 8 and 256 rows, bf16 against
-fp32), cached per CPU model, flags and torch version under `$HSPEC_CACHE_DIR/dtype_probe.json`.
+fp32, the median ratio), cached per CPU model, flags and torch version under
+`$HSPEC_CACHE_DIR/dtype_probe.json`.
 `HSPEC_CPU_BF16=1` / `0` overrides it. torch's reported capability is no guide (that EPYC reports
 plain "AVX512"); without /proc/cpuinfo (not Linux) the capability string decides."""
 
@@ -67,7 +68,7 @@ def describe_machine() -> str:
 
 
 BF16_PROBE_ROWS = (1, 8, 256)  # a decode step, a verify block, a training / prefill batch
-BF16_MIN_SPEEDUP = 1.1  # bf16 must beat fp32 by this much (geometric mean over the rows) to be picked
+BF16_MIN_SPEEDUP = 1.1  # bf16 must beat fp32 by this much (median over the rows) to be picked
 
 
 def _matmul_seconds(rows: int, dtype: torch.dtype, *, in_features: int = 576, out_features: int = 1536) -> float:
@@ -87,8 +88,9 @@ def _matmul_seconds(rows: int, dtype: torch.dtype, *, in_features: int = 576, ou
 
 
 def cpu_bf16_speedup() -> float:
-    """fp32 time over bf16 time of the MLP matmul, geometric mean over `BF16_PROBE_ROWS` (> 1: bf16 is
-    faster here). Measured once per CPU model, flags and torch version (< 1 s) and cached on disk."""
+    """fp32 time over bf16 time of the MLP matmul, the median over `BF16_PROBE_ROWS` (> 1: bf16 is faster
+    here; the median, because one timing disturbed by another process can be off by 10x). Measured once per
+    CPU model, flags and torch version (< 1 s) and cached on disk."""
     from sglang_hspec.assets.embedded import default_cache_dir
 
     key = f"{cpu_model()} | {' '.join(sorted(f for f in SPEED_FLAGS if f in cpu_flags()))} | torch {torch.__version__}"
@@ -101,9 +103,7 @@ def cpu_bf16_speedup() -> float:
         return float(cached[key]["speedup"])
     ratios = {rows: _matmul_seconds(rows, torch.float32) / _matmul_seconds(rows, torch.bfloat16)
               for rows in BF16_PROBE_ROWS}
-    speedup = 1.0
-    for r in ratios.values():
-        speedup *= r ** (1 / len(ratios))
+    speedup = float(sorted(ratios.values())[len(ratios) // 2])
     cached[key] = {"speedup": round(speedup, 3), "per_rows": {str(k): round(v, 3) for k, v in ratios.items()},
                    "threads": torch.get_num_threads()}
     try:  # a cache that cannot be written costs one probe per process, nothing else
