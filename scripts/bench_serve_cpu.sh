@@ -33,6 +33,9 @@ cpu_env=(SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_cpu/shim:tests/sglang_c
 profile_env=()
 [ -n "${PROFILE_BATCH_SIZES:-}" ] && profile_env=(HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES="$PROFILE_BATCH_SIZES")
 mkdir -p "$out"
+# the machine beside every result (the CPU differs between sessions): printed and kept with the results
+.venv/bin/python -c "from sglang_hspec.target.dtypes import describe_machine as d; print('machine:', d(), '| servers float32')" \
+  | tee "$out/machine.txt"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
