@@ -111,9 +111,21 @@ class ContinuousDecoder:
                 if waiting:  # every admitted request ended at its first token
                     continue
                 break
-            row_index = torch.tensor(busy, device=device)  # one plain decode step over every busy row
-            out = adapter.extend(anchors[row_index][:, None], rows=row_index)
-            for row, token in zip(busy, draw(out.logits[:, 0])):
+            # one plain decode step over the busy rows. While at least half the rows are busy, every row runs
+            # (an idle one a dummy token at position 0, its length reset to 0 before and after): the forward
+            # then reads the cache in place, where a subset of its rows would be copied in every layer
+            # (+50 % on a 32-row step; TargetAdapter.extend)
+            if 2 * len(busy) >= slots:
+                idle = torch.tensor([row for row in range(slots) if request_of[row] < 0], dtype=torch.long,
+                                    device=device)
+                adapter.truncate(torch.zeros_like(idle), rows=idle)
+                drawn = draw(adapter.extend(anchors[:, None]).logits[:, 0])
+                adapter.truncate(torch.zeros_like(idle), rows=idle)
+                drawn = [drawn[row] for row in busy]
+            else:
+                row_index = torch.tensor(busy, device=device)
+                drawn = draw(adapter.extend(anchors[row_index][:, None], rows=row_index).logits[:, 0])
+            for row, token in zip(busy, drawn):
                 emit(row, token)
         bar.close()
         return with_texts(results, adapter.tokenizer)

@@ -104,6 +104,15 @@ def linear_rows_are_batch_invariant(*, dtype: torch.dtype, in_features: int = 57
     return all(torch.equal(torch.nn.functional.linear(x[:m], weight)[:1], alone) for m in rows)
 
 
+def consecutive_span(rows: torch.Tensor) -> tuple[int, int] | None:
+    """(lo, hi) when `rows` is lo, lo + 1, ..., hi - 1 (the forward may read the cache rows as a view), else None."""
+    n = rows.numel()
+    if n == 0:
+        return None
+    lo = int(rows[0])
+    return (lo, lo + n) if bool((rows == torch.arange(lo, lo + n, device=rows.device)).all()) else None
+
+
 class _RaggedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
@@ -147,6 +156,7 @@ class RaggedKVCache(Cache):
         self._write_index: torch.Tensor | None = None
         self._read_len = 0
         self._writes = 0  # layer updates during the current forward (0 = the model ignored this cache)
+        self._row_span: tuple[int, int] | None = None  # (lo, hi) when the forward's rows are lo..hi-1 in order
 
     @property
     def rows(self) -> int:
@@ -171,8 +181,10 @@ class RaggedKVCache(Cache):
         layer.keys[rows[:, None], :, idx] = key_states.transpose(1, 2).to(layer.keys.dtype)
         layer.values[rows[:, None], :, idx] = value_states.transpose(1, 2).to(layer.values.dtype)
         t = self._read_len
-        if rows.numel() == self.rows and bool((rows == torch.arange(self.rows, device=rows.device)).all()):
-            return layer.keys[:, :, :t], layer.values[:, :, :t]
+        span = self._row_span
+        if span is not None:  # consecutive rows: a view, no copy
+            return layer.keys[span[0]:span[1], :, :t], layer.values[span[0]:span[1], :, :t]
+        # any other subset is gathered: a copy of every layer's K/V per forward (+50 % on a 32-row decode step)
         return layer.keys[rows, :, :t], layer.values[rows, :, :t]
 
 
@@ -316,12 +328,13 @@ class TargetAdapter:
             kept_positions, kept_of_row = torch.unique(num_tokens.to(self.device) - 1, return_inverse=True)
             keep = {"logits_to_keep": kept_positions}
         cache._rows, cache._write_index, cache._read_len, cache._writes = rows, positions, end, 0
+        cache._row_span = consecutive_span(rows)
         try:
             with self._capture_hidden(hidden_layer_ids) as captured:
                 out = call_with_cache(self.model, cache, cache_arg=self._cache_arg, input_ids=tokens,
                                       attention_mask=mask[:, None], position_ids=positions, **keep)
         finally:
-            cache._rows = cache._write_index = None
+            cache._rows = cache._write_index = cache._row_span = None
         if cache._writes != self.num_layers:
             raise RuntimeError(
                 f"the target wrote {cache._writes} of its {self.num_layers} layers' K/V into the ragged cache: "

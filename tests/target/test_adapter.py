@@ -6,7 +6,7 @@ import torch
 
 from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.target import adapter as adapter_mod
-from sglang_hspec.target.adapter import TargetAdapter
+from sglang_hspec.target.adapter import TargetAdapter, consecutive_span
 
 
 def test_extend_raises_when_the_target_ignores_the_ragged_cache(monkeypatch):
@@ -57,6 +57,27 @@ def test_last_logits_only_returns_each_rows_last_real_token():
     torch.testing.assert_close(out.logits[:, 0], ref[torch.arange(3), num - 1], rtol=1e-9, atol=1e-9)
     assert not torch.equal(out.logits[1, 0], out.logits[2, 0])
     torch.testing.assert_close(last.cache.layers[1].keys, full.cache.layers[1].keys, rtol=0, atol=0)
+
+
+def test_row_subsets_consecutive_or_not_give_the_same_logits():
+    """A forward over some cache rows reads them in place when they are consecutive (a view) and gathers
+    them otherwise; both give the logits of a forward over the same rows alone."""
+    assert consecutive_span(torch.tensor([1, 2, 3])) == (1, 4) and consecutive_span(torch.tensor([0, 2])) is None
+    assert consecutive_span(torch.tensor([2, 1])) is None and consecutive_span(torch.tensor([], dtype=torch.long)) is None
+    model = tiny_target("qwen3", dtype=torch.float64, num_layers=2)
+    prompts = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]])
+    step = torch.tensor([[20], [21], [22], [23]])
+    for rows in ([1, 2], [0, 2], [3]):
+        adapter = TargetAdapter(model)
+        adapter.reset(4, capacity=8)
+        adapter.extend(prompts)
+        out = adapter.extend(step[rows], rows=torch.tensor(rows)).logits
+        for j, r in enumerate(rows):
+            alone = TargetAdapter(model)
+            alone.reset(1, capacity=8)
+            alone.extend(prompts[r:r + 1])
+            torch.testing.assert_close(out[j], alone.extend(step[r:r + 1]).logits[0], rtol=1e-9, atol=1e-9)
+        assert adapter.lengths.tolist() == [3 + (r in rows) for r in range(4)]
 
 
 def test_truncate_rolls_back_in_place_and_the_next_extend_overwrites():
