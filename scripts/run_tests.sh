@@ -14,7 +14,8 @@ bash scripts/setup_sglang.sh > "$setup_log" 2>&1 &
 setup_pid=$!
 bash scripts/setup.sh || { kill "$setup_pid" 2>/dev/null; exit 1; }
 main_rc=0
-.venv/bin/python -m pytest -q --durations=20 || main_rc=1
+# two workers, one test file each at a time (the cores are what the suite waits on)
+.venv/bin/python -m pytest -q --durations=20 -n 2 --dist loadfile || main_rc=1
 if ! wait "$setup_pid"; then
   cat "$setup_log" >&2
   echo "scripts/setup_sglang.sh failed (its log is above and in $setup_log); fix it and rerun make test" >&2

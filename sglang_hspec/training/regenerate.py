@@ -321,7 +321,8 @@ def sort_window(batch_size: int) -> int:
 def _order(pending: list[_Pending], *, window: int) -> list[_Pending]:
     """A fixed pseudo-random order (by id hash), each run of `window` records sorted by prompt length: a
     run stopped half way holds a fair sample of every source, and batches pad little."""
-    shuffled = sorted(pending, key=lambda p: hashlib.sha1(p.id.encode()).digest())
+    # salted: `in_heldout` splits by the unsalted hash, whose lowest values would all come first
+    shuffled = sorted(pending, key=lambda p: hashlib.sha1(b"order\0" + p.id.encode()).digest())
     out = []
     for s in range(0, len(shuffled), window):
         out += sorted(shuffled[s: s + window], key=lambda p: (p.prompt_tokens, p.id))
