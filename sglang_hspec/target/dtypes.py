@@ -17,6 +17,7 @@ plain "AVX512"); without /proc/cpuinfo (not Linux) the capability string decides
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -106,14 +107,16 @@ def cpu_bf16_speedup() -> float:
     speedup = float(sorted(ratios.values())[len(ratios) // 2])
     cached[key] = {"speedup": round(speedup, 3), "per_rows": {str(k): round(v, 3) for k, v in ratios.items()},
                    "threads": torch.get_num_threads()}
-    try:  # a cache that cannot be written costs one probe per process, nothing else
-        from sglang_hspec.core.atomic import atomic_open
-
+    # target/ sits below core/, so this is the few-line equivalent of core/atomic.py's atomic_open;
+    # a cache that cannot be written costs one probe per process, nothing else
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_open(path, "w") as f:
-            json.dump(cached, f, indent=1)
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return speedup
 
 
