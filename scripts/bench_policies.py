@@ -124,9 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     configs = [(spec, name) for spec in ["none", *drafters] for name in (["plain"] if spec == "none" else names)]
-    # per batch size: one warm-up run of plain decoding, then `repeats` rounds of every configuration
-    runs = [(b, r, spec, name) for b in sizes for r in range(-1, args.repeats)
-            for spec, name in (configs if r >= 0 else configs[:1])]
+    # per batch size: one warm-up run of plain decoding, then `repeats` rounds of every configuration; odd
+    # rounds run them in reverse, so no configuration always runs first (or always right after another)
+    def round_order(r: int) -> list[tuple[str, str]]:
+        return configs[:1] if r < 0 else (configs if r % 2 == 0 else configs[::-1])
+
+    runs = [(b, r, spec, name) for b in sizes for r in range(-1, args.repeats) for spec, name in round_order(r)]
     plain_out: dict[int, list] = {}
     for b, round_, spec, name in tqdm(runs, desc="runs"):
         batch = (prompts * ((b + len(prompts) - 1) // len(prompts)))[:b]
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows)
     print(f"\n{cpu_description()} | torch threads {torch.get_num_threads()} | dtype {adapter.dtype} | "
           f"max_new_tokens {args.max_new_tokens} | T={args.temperature} | SPS table {sps_table} | "
-          f"median of {args.repeats} interleaved rounds")
+          f"median of {args.repeats} interleaved rounds "
+          "(odd rounds in reverse order)")
     print(f"{'B':>4} {'drafter':<10} {'policy':<7} {'tok/s':>8} {'x plain':>8} {'(min-max)':>11} {'tau':>6} "
           f"{'drafted':>9} {'drafts/step':>12} {'same':>5}")
     for r in summary:

@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -312,6 +313,18 @@ def pooled_alpha(payload: dict, temperature: float) -> list[float | None]:
     return [a / n if n else None for a, n in zip(kept, tried)]
 
 
+def distinct_labels(names: list[str]) -> list[str]:
+    """Labels for compared drafters: each kind's name, numbered in order where one kind appears more than
+    once (two checkpoints of one kind: hspec-1, hspec-2), so their records and result rows stay apart."""
+    counts = Counter(names)
+    seen: Counter = Counter()
+    labels = []
+    for name in names:
+        seen[name] += 1
+        labels.append(name if counts[name] == 1 else f"{name}-{seen[name]}")
+    return labels
+
+
 def pooled_tau(payload: dict, temperature: float) -> float | None:
     rows = [r for r in payload["results"] if r["temperature"] == temperature]
     steps = sum(r["steps"] for r in rows)
@@ -408,9 +421,11 @@ def run_cli(args) -> int:
         if drafter.block_size < 1:
             raise ValueError(f"--drafter/--compare {spec} proposes nothing; evaluate ngram, shipped or a "
                              "checkpoint directory")
-    names = [d.name for d in drafters]
-    if len(set(names)) < len(names):
-        raise ValueError(f"compared drafters must differ in kind (their labels), got {names}")
+    if len(set(specs)) < len(specs):
+        raise ValueError(f"--drafter/--compare: the same drafter is given twice ({specs}); compare different ones")
+    names = distinct_labels([d.name for d in drafters])
+    for drafter, name in zip(drafters, names):
+        drafter.name = name
     made = [make_policy(args.policy, block_size=d.block_size, sps_table=args.sps_table, sts=args.sts)
             for d in drafters]
     record_dirs = [None] * len(drafters)

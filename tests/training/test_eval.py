@@ -11,7 +11,7 @@ from sglang_hspec.assets.tiny import save_tiny_target, tiny_tokenizer
 from sglang_hspec.cli import main
 from sglang_hspec.model import HSpecConfig, build_drafter, save_drafter
 from sglang_hspec.target.geometry import TargetGeometry
-from sglang_hspec.training.eval import parse_temperatures, pooled_tau
+from sglang_hspec.training.eval import distinct_labels, parse_temperatures, pooled_tau
 
 PROMPTS = [
     {"id": "a1", "turns": ["def add(a, b):", "and now subtract"], "dataset": "code"},
@@ -126,7 +126,12 @@ def test_eval_bad_inputs(setup, capsys):
     assert main([*base, "--drafter", "ngram", "--alpha-plot", str(root / "a.png")]) == 2
     assert "--compare" in capsys.readouterr().err
     assert main([*base, "--drafter", "ngram", "--compare", "ngram"]) == 2
-    assert "must differ in kind" in capsys.readouterr().err
+    assert "the same drafter is given twice" in capsys.readouterr().err
+
+
+def test_distinct_labels_number_repeated_kinds():
+    assert distinct_labels(["hspec", "dspark"]) == ["hspec", "dspark"]
+    assert distinct_labels(["hspec", "dspark", "hspec"]) == ["hspec-1", "dspark", "hspec-2"]
 
 
 def test_parse_temperatures():
