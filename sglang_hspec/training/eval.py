@@ -412,6 +412,8 @@ def run_cli(args) -> int:
     if args.alpha_plot and not args.compare:
         raise ValueError("--alpha-plot compares drafters: add at least one --compare DRAFTER")
     specs = [args.drafter or default_drafter_spec(), *(args.compare or [])]
+    if len(set(specs)) < len(specs):
+        raise ValueError(f"--drafter/--compare: the same drafter is given twice ({specs}); compare different ones")
     for spec in specs:  # before the target loads: a bad flag combination fails at once
         check_engine_flags(args, spec)
     prompts = load_eval_prompts(datasets=args.datasets, prompts_file=args.prompts, limit=args.limit)
@@ -421,8 +423,6 @@ def run_cli(args) -> int:
         if drafter.block_size < 1:
             raise ValueError(f"--drafter/--compare {spec} proposes nothing; evaluate ngram, shipped or a "
                              "checkpoint directory")
-    if len(set(specs)) < len(specs):
-        raise ValueError(f"--drafter/--compare: the same drafter is given twice ({specs}); compare different ones")
     names = distinct_labels([d.name for d in drafters])
     for drafter, name in zip(drafters, names):
         drafter.name = name
