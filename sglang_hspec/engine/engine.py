@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from sglang_hspec.core.sampling import sample_from, sampling_probs
 from sglang_hspec.core.types import DraftContext, Drafter, SamplingParams
 from sglang_hspec.engine.verify import accept_block
-from sglang_hspec.target.adapter import TargetAdapter
+from sglang_hspec.target.adapter import ExtendOutput, TargetAdapter
 
 
 @dataclass
@@ -117,6 +117,36 @@ def eos_token_ids_of(adapter: TargetAdapter, eos_token_ids: Sequence[int] | None
             eos = getattr(adapter.config, "eos_token_id", None)
         eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return set(int(e) for e in eos_token_ids)
+
+
+def verify_forward(adapter: TargetAdapter, block: torch.Tensor, *, verify_len: torch.Tensor, rows: torch.Tensor,
+                   hidden_layer_ids) -> ExtendOutput:
+    """The target forward of one step: `block` [B, 1 + lmax] holds each row's anchor and its drafts, row b
+    verifying verify_len[b] of them. Commits 1 + verify_len[b] positions per row, like one padded extend.
+
+    A padded forward computes every row at 1 + lmax tokens. When few rows verify drafts (a probe of
+    `--policy auto`: 4 of 32 rows at lmax 7 use 60 of 256 tokens, and a CPU forward costs in proportion
+    to its tokens) and the padding would cost at least a plain step's tokens, the anchors of all rows run
+    first, as the plain decode step itself, and the drafts of the rows that verify any run after them
+    over those rows only (reading the anchors' KV just written). Each row's logits are still those of
+    its own prefix: the split changes the cost, not which tokens are accepted."""
+    b, width = block.shape
+    lmax = width - 1
+    drafting = (verify_len > 0).nonzero().squeeze(-1)
+    if lmax == 0 or (b - drafting.numel()) * lmax < b:
+        return adapter.extend(block, num_tokens=1 + verify_len, rows=rows, hidden_layer_ids=hidden_layer_ids)
+    first = adapter.extend(block[:, :1], rows=rows, hidden_layer_ids=hidden_layer_ids)
+    rest = adapter.extend(block[drafting, 1:], num_tokens=verify_len[drafting], rows=rows[drafting],
+                          hidden_layer_ids=hidden_layer_ids)
+    logits = first.logits.new_zeros((b, width, first.logits.shape[-1]))
+    logits[:, :1] = first.logits
+    logits[drafting, 1:] = rest.logits
+    hidden = None
+    if first.hidden is not None:
+        hidden = first.hidden.new_zeros((b, width, *first.hidden.shape[2:]))
+        hidden[:, :1] = first.hidden
+        hidden[drafting, 1:] = rest.hidden
+    return ExtendOutput(logits=logits, hidden=hidden)
 
 
 class SpeculativeEngine:
@@ -249,7 +279,7 @@ class SpeculativeEngine:
                     q[drafted] = proposal.q[:, :lmax].to(device).float()
 
             block = torch.cat([anchors[ridx][:, None], draft], dim=1)
-            out = adapter.extend(block, num_tokens=1 + verify_len, rows=ridx, hidden_layer_ids=hidden_ids)
+            out = verify_forward(adapter, block, verify_len=verify_len, rows=ridx, hidden_layer_ids=hidden_ids)
             # greedy acceptance reads only the argmax: the logits' is the one-hot's, without building a
             # [B, L, V] one-hot (14 % of a 32-row plain decode step)
             target_probs = out.logits if sampling.greedy else sampling_probs(out.logits, sampling)
