@@ -6,8 +6,9 @@ exactly C requests are in flight until the set runs out. Per concurrency it repo
 throughput, per-user tokens/s (p50/p90 of completion tokens / request wall time), tau (tokens per
 verify step, over all requests) and wasted verify tokens. ``--compare`` runs several servers one
 after another and puts them in one table, with throughput relative to the baseline server. With
-``--rounds R`` each concurrency level runs R rounds, and each round drives every server in turn, so
-that the machine's drift reaches all servers alike; a row pools its rounds (tokens over wall time), and
+``--rounds R`` each concurrency level runs R rounds, and each round drives every server in turn (odd
+rounds in reverse order), so that the machine's drift reaches all servers alike and none always runs
+first or right after the same server; a row pools its rounds (tokens over wall time), and
 the table adds the range of the per-round ratios to the baseline (each measured in the same round).
 
 Example::
@@ -412,7 +413,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds without data before a request fails")
     p.add_argument(
         "--rounds", type=_parse_rounds, default=1,
-        help="rounds per concurrency level; each round drives every server in turn (default 1)",
+        help="rounds per concurrency level; each round drives every server in turn, odd rounds in reverse (default 1)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench_serve"), help="folder for bench_serve.json/.png")
     p.set_defaults(func=run_serve)
@@ -436,9 +437,10 @@ def run_serve(args: argparse.Namespace) -> int:
         records: dict[str, list[RequestRecord]] = {name: [] for name, _ in servers}
         walls: dict[str, list[float]] = {name: [] for name, _ in servers}
         rates: dict[str, list[float]] = {name: [] for name, _ in servers}
-        # round-major: every server runs once per round, so slow drift of the machine reaches all alike
+        # round-major: every server runs once per round, so slow drift of the machine reaches all alike;
+        # odd rounds run in reverse, so no server always runs right after the same one (or always first)
         for round_index in range(args.rounds):
-            for name, url in servers:
+            for name, url in servers if round_index % 2 == 0 else servers[::-1]:
                 label = f"{name} c={concurrency}" + (
                     f" round {round_index + 1}/{args.rounds}" if args.rounds > 1 else ""
                 )

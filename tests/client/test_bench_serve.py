@@ -134,10 +134,10 @@ def test_cli_compare_end_to_end(tmp_path, capsys, api: str) -> None:
 
 
 def test_rounds_drive_every_server_in_turn_and_pool_their_tokens(tmp_path, capsys, monkeypatch) -> None:
-    """--rounds 2: per level, round 1 runs A then B, round 2 runs A then B; a row pools its rounds
+    """--rounds 2: per level, round 1 runs A then B, round 2 B then A (order-balanced); a row pools its rounds
     (tokens / summed wall) and the table shows the range of the per-round ratios to the baseline."""
     calls: list[tuple[str, int]] = []
-    walls = iter([1.0, 2.0, 2.0, 2.0, 4.0, 1.0, 1.0, 1.0])  # A, B, A, B at c=1; then at c=2
+    walls = iter([1.0, 2.0, 2.0, 2.0, 4.0, 1.0, 1.0, 1.0])  # A, B, B, A at c=1; then at c=2
 
     async def fake_level(url, conversations, *, concurrency, max_tokens, on_request=None, **_):
         calls.append((url, concurrency))
@@ -159,7 +159,8 @@ def test_rounds_drive_every_server_in_turn_and_pool_their_tokens(tmp_path, capsy
     argv = ["--compare", "A=http://a:1", "B=http://b:1", "--baseline", "B", "--prompts", str(prompts)]
     argv += ["--concurrency", "1,2", "--max-tokens", "10", "--rounds", "2", "--out", str(out)]
     assert bench.main(argv) == 0
-    assert calls == [("http://a:1", 1), ("http://b:1", 1)] * 2 + [("http://a:1", 2), ("http://b:1", 2)] * 2
+    a1, b1, a2, b2 = ("http://a:1", 1), ("http://b:1", 1), ("http://a:1", 2), ("http://b:1", 2)
+    assert calls == [a1, b1, b1, a1, a2, b2, b2, a2]
     rows = {
         (r["server"], r["concurrency"]): r
         for r in json.loads((out / "bench_serve.json").read_text())["results"]
