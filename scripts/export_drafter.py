@@ -6,7 +6,7 @@ target's dtype, so nothing else changes.
     python scripts/export_drafter.py runs/levers_regen/ship_regen/checkpoint-300/drafter \
         --out sglang_hspec/checkpoints/hspec-smollm2
 
-Both files are written atomically (the weights last), as `save_drafter` writes them.
+Both files are written atomically (the weights last) by `write_checkpoint`, as `save_drafter` writes them.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as save_safetensors
 
-from sglang_hspec.core.atomic import atomic_open
-from sglang_hspec.model.checkpoint import read_checkpoint_config, read_checkpoint_weights
+from sglang_hspec.model.checkpoint import read_checkpoint_config, read_checkpoint_weights, write_checkpoint
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -31,12 +29,7 @@ def export_drafter(checkpoint: Path, out: Path, *, dtype: torch.dtype) -> Path:
              for name, t in read_checkpoint_weights(checkpoint).items()}
     with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
         metadata = f.metadata() or {"format": "pt"}
-    weights = save_safetensors(state, metadata=metadata)
-    config = (checkpoint / "config.json").read_text()
-    with atomic_open(out / "model.safetensors", "wb") as fw, atomic_open(out / "config.json", "w") as fc:
-        fw.write(weights)
-        fc.write(config)
-    return out
+    return write_checkpoint(out, state=state, metadata=metadata, config_text=(checkpoint / "config.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> int:

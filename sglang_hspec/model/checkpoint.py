@@ -100,19 +100,25 @@ def save_drafter(model: DraftModel, path: str | Path, dtype: torch.dtype | None 
 
     Both files are written to temp files first and renamed into place only when both are complete, so
     a crash or a full disk leaves the previous checkpoint intact (ArtifactWriteError names the file)."""
-    path = Path(path)
     state = {}
     for name, t in model.state_dict().items():
         t = t.detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         state[name] = t.contiguous().cpu()
-    weights = save_safetensors(state, metadata={"format": "pt", "kind": model.config.kind})
-    config = json.dumps(config_json(model), indent=2) + "\n"
-    # the weights are renamed last: a reader never pairs new weights with an old config
+    return write_checkpoint(path, state=state, metadata={"format": "pt", "kind": model.config.kind},
+                            config_text=json.dumps(config_json(model), indent=2) + "\n")
+
+
+def write_checkpoint(path: str | Path, *, state: dict[str, torch.Tensor], metadata: dict[str, str],
+                     config_text: str) -> Path:
+    """Write `model.safetensors` (state, metadata) and `config.json` (config_text) into directory `path`,
+    atomically, the weights renamed last: a reader never pairs new weights with an old config."""
+    path = Path(path)
+    weights = save_safetensors(state, metadata=metadata)
     with atomic_open(path / "model.safetensors", "wb") as fw, atomic_open(path / "config.json", "w") as fc:
         fw.write(weights)
-        fc.write(config)
+        fc.write(config_text)
     return path
 
 
