@@ -35,19 +35,21 @@ class CountingAdapter:
         return self.adapter.extend(tokens, **kw)
 
 
-@pytest.mark.parametrize(("verify_len", "forward_tokens"), [
-    ([0, 3, 0, 0, 1, 0], [6, 6]),  # 2 of 6 rows draft: padding 4 x 3 = 12 >= 6 tokens -> split (6 anchors, 2 x 3)
-    ([3, 3, 2, 3, 1, 3], [24]),  # every row drafts: one padded forward, 6 x 4
-    ([0, 1, 0, 0, 0, 0], [12]),  # padding 5 x 1 = 5 < 6: not worth a second forward
-    ([0, 2, 0, 1, 0, 0], [6, 4]),  # padding 4 x 2 = 8 >= 6 -> split
+@pytest.mark.parametrize(("rows", "verify_len", "forward_tokens"), [
+    # 2 of 6 rows draft: padding 4 x 3 = 12 >= 6 tokens -> split (6 anchors, 2 x 3)
+    ([0, 1, 2, 3, 4, 5], [0, 3, 0, 0, 1, 0], [6, 6]),
+    ([0, 1, 2, 3, 4, 5], [3, 3, 2, 3, 1, 3], [24]),  # every row drafts: one padded forward, 6 x 4
+    ([0, 1, 2, 3, 4, 5], [0, 1, 0, 0, 0, 0], [12]),  # padding 5 x 1 = 5 < 6: not worth a second forward
+    ([0, 1, 2, 3, 4, 5], [0, 2, 0, 1, 0, 0], [6, 4]),  # padding 4 x 2 = 8 >= 6 -> split
+    # active rows 1, 3, 4, 5 of 6 (finished requests leave gaps): rows index the cache, positions the block
+    ([1, 3, 4, 5], [0, 0, 3, 0], [4, 3]),
 ])
-def test_split_verify_matches_the_padded_forward(verify_len, forward_tokens):
+def test_split_verify_matches_the_padded_forward(rows, verify_len, forward_tokens):
     model = tiny_target("qwen3", vocab_size=48, num_layers=4)
     padded, split = prefilled(model), prefilled(model)
-    verify_len = torch.tensor(verify_len)
+    rows, verify_len = torch.tensor(rows), torch.tensor(verify_len)
     lmax = int(verify_len.max())
-    block = torch.randint(0, 48, (len(PROMPTS), 1 + lmax), generator=torch.Generator().manual_seed(0))
-    rows = torch.arange(len(PROMPTS))
+    block = torch.randint(0, 48, (len(rows), 1 + lmax), generator=torch.Generator().manual_seed(0))
     want = padded.extend(block, num_tokens=1 + verify_len, rows=rows, hidden_layer_ids=HIDDEN)
     counting = CountingAdapter(split)
     got = verify_forward(counting, block, verify_len=verify_len, rows=rows, hidden_layer_ids=HIDDEN)
@@ -57,25 +59,11 @@ def test_split_verify_matches_the_padded_forward(verify_len, forward_tokens):
         torch.testing.assert_close(got.logits[b, : 1 + vl], want.logits[b, : 1 + vl], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.hidden[b, : 1 + vl], want.hidden[b, : 1 + vl], atol=1e-5, rtol=1e-5)
     assert torch.equal(split.lengths, padded.lengths)
-    assert torch.equal(split.lengths, torch.tensor([len(p) for p in PROMPTS]) + 1 + verify_len)
+    expected = torch.tensor([len(p) for p in PROMPTS])
+    expected[rows] += 1 + verify_len
+    assert torch.equal(split.lengths, expected)
     for lid in range(4):
         for b, n in enumerate(split.lengths.tolist()):
             for name in ("keys", "values"):
                 torch.testing.assert_close(getattr(split.cache.layers[lid], name)[b, :, :n],
                                            getattr(padded.cache.layers[lid], name)[b, :, :n], atol=1e-5, rtol=1e-5)
-
-
-def test_split_verify_with_rows_that_are_not_the_whole_cache():
-    """Active rows 1, 3, 4, 5 of 6 (finished requests leave gaps): rows index the cache, positions the block."""
-    model = tiny_target("qwen3", vocab_size=48, num_layers=4)
-    padded, split = prefilled(model), prefilled(model)
-    rows = torch.tensor([1, 3, 4, 5])
-    verify_len = torch.tensor([0, 0, 3, 0])
-    block = torch.randint(0, 48, (4, 4), generator=torch.Generator().manual_seed(1))
-    want = padded.extend(block, num_tokens=1 + verify_len, rows=rows, hidden_layer_ids=HIDDEN)
-    counting = CountingAdapter(split)
-    got = verify_forward(counting, block, verify_len=verify_len, rows=rows, hidden_layer_ids=HIDDEN)
-    assert counting.tokens == [4, 3]
-    for b, vl in enumerate(verify_len.tolist()):
-        torch.testing.assert_close(got.logits[b, : 1 + vl], want.logits[b, : 1 + vl], atol=1e-5, rtol=1e-5)
-    assert torch.equal(split.lengths, padded.lengths)
