@@ -8,6 +8,10 @@ plain decoding. The CPU model, its flags (avx2 / avx512_bf16 / amx), torch threa
 with the table. Drafters: `shipped`, a checkpoint directory, `random`
 (the shipped architecture, untrained: matrices re-drawn N(0, 0.02), confidence head included) or `ngram`.
 
+`--control` adds a second plain-decoding run to every round ("plain-aa", the A/A control): its ratio to
+plain is what this machine's run-to-run noise alone gives, the yardstick for every other ratio (on a
+shared 2-core VM identical runs differ by up to +-20 % and a median of 6 rounds by up to 6 %).
+
 The SPS table: `--sps-table sps.json` (from `hspec profile-sps`, with the plain-decode and drafter columns
 the auto policy weighs), or none, and the script profiles one first on this target (`--profile-*`).
 
@@ -106,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="rounds per batch size: every configuration once per round, in turn, so drift hits all "
                          "alike; a ratio is the median over rounds of throughput / plain's in the same round")
+    ap.add_argument("--control", action="store_true",
+                    help="also run plain decoding a second time each round (policy plain-aa): the A/A noise floor")
     ap.add_argument("--out", default=None, help="JSON with every row (and the SPS table path)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.policies.split(",")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    configs = [(spec, name) for spec in ["none", *drafters] for name in (["plain"] if spec == "none" else names)]
+    plain_names = ["plain", "plain-aa"] if args.control else ["plain"]
+    configs = [(spec, name) for spec in ["none", *drafters] for name in (plain_names if spec == "none" else names)]
     # per batch size: one warm-up run of plain decoding, then `repeats` rounds of every configuration; odd
     # rounds run them in reverse, so no configuration always runs first (or always right after another)
     def round_order(r: int) -> list[tuple[str, str]]:
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(len(r.output_ids) for r in res)
         steps = max(r.stats.num_steps for r in res)
         outputs = [r.output_ids for r in res]
-        if spec == "none":
+        if name == "plain":
             plain_out[b] = outputs
         stats = getattr(getattr(engine.policy, "planner", None), "stats", None)
         drafted = stats().speculative_steps if stats and stats().speculative_steps >= 0 else (0 if spec == "none" else steps)
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             "verified_drafts_per_step": sum(sum(r.stats.verify_lengths) for r in res) / max(1, steps),
             "same_as_plain": outputs == plain_out[b] if args.temperature == 0 else None,
         })
-    base = {(r["batch"], r["round"]): r["throughput_tok_s"] for r in rows if r["drafter"] == "none"}
+    base = {(r["batch"], r["round"]): r["throughput_tok_s"] for r in rows if r["policy"] == "plain"}
     for r in rows:
         r["x_plain"] = r["throughput_tok_s"] / base[(r["batch"], r["round"])]
     summary = summarize(rows)

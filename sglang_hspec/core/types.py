@@ -59,8 +59,9 @@ class DraftContext:
     row_ids: torch.Tensor | None = None
     # hidden states (same layer ids as target_hidden) of the positions committed since the previous
     # propose of each row: [B, L, num_ids, hidden], row b valid for its first new_hidden_lengths[b]
-    # entries, which end at position n. Prefill passes the whole prompt. H-Spec ignores it; drafters
-    # with a growing drafter-side KV cache (dflash, dspark) append it.
+    # entries, which end at position n. Prefill passes the whole prompt. Drafters with a growing
+    # drafter-side KV cache (dflash, dspark) read it; one that sets `reads_new_hidden = False` (H-Spec,
+    # which reads target_hidden) gets None, and the engine skips building it.
     new_hidden: torch.Tensor | None = None
     new_hidden_lengths: torch.Tensor | None = None
 
@@ -84,6 +85,7 @@ class Drafter(Protocol):
     target_layer_ids: tuple[int, ...]  # hidden states the engine must capture at position n
     kv_layer_ids: tuple[int, ...]  # target layers whose KV the drafter reads
     sliding_window: int  # KV window (positions max(0, n+1-W)..n)
+    # optional `reads_new_hidden: bool` (absent: True): whether propose reads DraftContext.new_hidden
 
     def propose(
         self, ctx: DraftContext, sampling: SamplingParams, generator: torch.Generator | None

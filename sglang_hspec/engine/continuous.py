@@ -4,8 +4,8 @@
 mixed length decodes most of its steps with a few rows left (regeneration of 32 ShareGPT prompts x 384
 tokens averaged ~50 tokens/s where a full 32-row decode step runs ~180 here). `ContinuousDecoder`
 keeps `slots` rows busy instead: when a row's request ends (EOS or max_new_tokens), the next prompt is
-prefilled into that row of the ragged KV cache (rows that free up together are prefilled together,
-logits at their last token only) and joins the next decode step.
+prefilled into that row of the ragged KV cache (rows that free up together are prefilled together, in
+`TargetAdapter.prefill`'s forwards of a bounded number of tokens, logits at their last token only) and joins the next decode step.
 
 The decode itself is the engine's plain step: one anchor token per row through `TargetAdapter.extend`,
 the next token drawn by `sampling_probs` / `sample_from` (greedy: argmax). Only how requests share
@@ -88,17 +88,13 @@ class ContinuousDecoder:
             bar.update(1)
 
         def admit(rows: list[int]) -> None:
-            """Prefill the next waiting prompts into the free `rows` (one forward) and draw their first tokens."""
+            """Prefill the next waiting prompts into the free `rows` and draw their first tokens."""
             ids = [waiting.popleft() for _ in rows]
             for row, i in zip(rows, ids):
                 request_of[row] = i
-            tokens = torch.zeros((len(rows), max(len(prompts[i]) for i in ids)), dtype=torch.long)
-            for j, i in enumerate(ids):
-                tokens[j, : len(prompts[i])] = torch.tensor(prompts[i])
             row_index = torch.tensor(rows, device=device)
             adapter.truncate(torch.zeros(len(rows), dtype=torch.long), rows=row_index)  # the row starts over
-            out = adapter.extend(tokens, num_tokens=torch.tensor([len(prompts[i]) for i in ids]), rows=row_index,
-                                 last_logits_only=True)
+            out = adapter.prefill([prompts[i] for i in ids], rows=row_index)
             for row, token in zip(rows, draw(out.logits[:, 0])):
                 emit(row, token)
 

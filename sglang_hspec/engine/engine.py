@@ -199,17 +199,22 @@ class SpeculativeEngine:
         hidden_ids = list(self.drafter.target_layer_ids)
         t_start = time.perf_counter()
 
-        # prefill: every prompt in one padded forward; the first token comes from the last prompt logits
-        tokens = torch.zeros((n, longest), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
+        # drafters with a drafter-side KV cache must see every committed position, drafted or not
+        extend_context = getattr(self.drafter, "extend_context", None)
+        # the others read the hidden states at the last position only: no [B, prompt, 5, d] copy per call
+        reads_new_hidden = extend_context is not None or getattr(self.drafter, "reads_new_hidden", True)
+        # prefill (in groups of rows, TargetAdapter.prefill); the first token comes from the last prompt logits
         lengths = torch.tensor([len(p) for p in prompts], device=device)
-        out = adapter.extend(tokens, num_tokens=lengths, hidden_layer_ids=hidden_ids, last_logits_only=True)
-        rows = torch.arange(n, device=device)
+        out = adapter.prefill(prompts, hidden_layer_ids=hidden_ids, last_hidden_only=not reads_new_hidden)
         last_logits = out.logits[:, 0]
         anchors = sample_from(sampling_probs(last_logits, sampling), generator)
-        last_hidden = out.hidden[rows, lengths - 1] if out.hidden is not None else None
-        new_hidden, new_hidden_lengths = out.hidden, lengths.clone()
+        if not reads_new_hidden:
+            last_hidden = out.hidden[:, 0] if out.hidden is not None else None
+            new_hidden = None
+        else:
+            last_hidden = out.hidden[torch.arange(n, device=device), lengths - 1] if out.hidden is not None else None
+            new_hidden = out.hidden
+        new_hidden_lengths = lengths.clone()
         prefill_seconds = time.perf_counter() - t_start
 
         histories = [list(p) for p in prompts]
@@ -227,8 +232,6 @@ class SpeculativeEngine:
         # a switching policy (auto) first decides whether this step drafts at all, and which rows
         decide = getattr(self.policy, "decide", None)
         observe = getattr(self.policy, "observe", None)
-        # drafters with a drafter-side KV cache must see every committed position, drafted or not
-        extend_context = getattr(self.drafter, "extend_context", None)
         while bool(active.any()):
             idx = active.nonzero().squeeze(-1)
             ridx = idx.to(device)
@@ -296,8 +299,9 @@ class SpeculativeEngine:
                 if last_hidden is None:
                     last_hidden = torch.zeros((n, *out.hidden.shape[2:]), dtype=out.hidden.dtype, device=device)
                 last_hidden[ridx] = out.hidden[torch.arange(b, device=device), num_acc]
-                new_hidden = torch.zeros((n, *out.hidden.shape[1:]), dtype=out.hidden.dtype, device=device)
-                new_hidden[ridx] = out.hidden
+                if reads_new_hidden:
+                    new_hidden = torch.zeros((n, *out.hidden.shape[1:]), dtype=out.hidden.dtype, device=device)
+                    new_hidden[ridx] = out.hidden
             new_hidden_lengths = torch.zeros(n, dtype=torch.long, device=device)
             new_hidden_lengths[ridx] = 1 + num_acc
 

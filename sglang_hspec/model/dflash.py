@@ -61,6 +61,7 @@ class DFlashDraftModel(DraftModel):
         self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.state: DFlashState | None = None
+        self.reads_new_hidden = True  # its drafter-side cache grows by DraftContext.new_hidden
 
     def _attn_layers(self):
         return [layer.attn for layer in self.layers if layer.attn is not None]

@@ -359,6 +359,8 @@ class DraftModel(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.target_layer_ids = cfg.hidden_layer_ids
         self.kv_layer_ids = cfg.kv_reuse_layer_ids if cfg.reads_target_kv else ()
+        # reads DraftContext.target_hidden only; the engine then skips the new-positions hidden states
+        self.reads_new_hidden = False
         self.layers = nn.ModuleList(Layer(cfg, p) for p in cfg.layer_pattern)
         self.state_proj = StateProjection(cfg) if cfg.injects_state else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -43,7 +43,7 @@ class RecomputeCheck:
 
     def __init__(self, drafter, adapter):
         self.inner, self.adapter, self.fresh = drafter, adapter, copy.deepcopy(drafter)
-        for attr in ("name", "block_size", "target_layer_ids", "kv_layer_ids", "sliding_window"):
+        for attr in ("name", "block_size", "target_layer_ids", "kv_layer_ids", "sliding_window", "reads_new_hidden"):
             setattr(self, attr, getattr(drafter, attr))
         self.checks = 0
         self.last_position: dict[int, int] = {}
@@ -52,6 +52,8 @@ class RecomputeCheck:
         self.inner.reset()
 
     def propose(self, ctx, sampling, generator=None):
+        # the engine builds the new positions' hidden states only for drafters that read them
+        assert (ctx.new_hidden is not None) == self.reads_new_hidden, self.name
         prop = self.inner.propose(ctx, sampling, generator)
         for b, row in enumerate(ctx.row_ids.tolist()):
             self.last_position[row] = int(ctx.last_position[b])

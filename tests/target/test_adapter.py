@@ -59,6 +59,49 @@ def test_last_logits_only_returns_each_rows_last_real_token():
     torch.testing.assert_close(last.cache.layers[1].keys, full.cache.layers[1].keys, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("budget,groups", [(1024, [[0, 1, 2, 3]]), (12, [[0, 1], [2, 3]]), (8, [[0, 1], [2], [3]]),
+                                           (1, [[0], [1], [2], [3]])])
+def test_prefill_in_groups_matches_one_padded_forward(monkeypatch, budget, groups):
+    """Prompts of 4, 2, 5 and 3 tokens: groups of consecutive rows while rows x longest <= budget (12:
+    2 x 4 = 8, then 3 x 5 > 12; 2 x 5 = 10), each padded to its own longest; logits at the last
+    prompt token, hidden states over each prompt, K/V and lengths equal to one padded extend."""
+    prompts = [[5, 6, 7, 8], [12, 13], [20, 21, 22, 23, 24], [30, 31, 32]]
+    model = tiny_target("llama", dtype=torch.float64, num_layers=2)
+    one = TargetAdapter(model)
+    one.reset(5, capacity=8)
+    tokens = torch.tensor([p + [2] * (5 - len(p)) for p in prompts])
+    rows = torch.tensor([4, 0, 1, 3])  # any cache rows, in any order
+    ref = one.extend(tokens, num_tokens=torch.tensor([4, 2, 5, 3]), rows=rows, hidden_layer_ids=[0, 1],
+                     last_logits_only=True)
+    grouped = TargetAdapter(model)
+    grouped.reset(5, capacity=8)
+    seen = []
+    extend = grouped.extend
+    monkeypatch.setattr(grouped, "extend", lambda tokens, **kw: seen.append(kw["rows"].tolist()) or extend(tokens, **kw))
+    out = grouped.prefill(prompts, rows=rows, hidden_layer_ids=[0, 1], max_forward_tokens=budget)
+    assert seen == [rows[g].tolist() for g in groups]
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-9, atol=1e-9)
+    assert out.hidden.shape == ref.hidden.shape
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(out.hidden[b, :len(p)], ref.hidden[b, :len(p)], rtol=1e-9, atol=1e-9)
+    assert grouped.lengths.tolist() == one.lengths.tolist() == [2, 5, 0, 3, 4]
+    for layer in range(2):
+        for b, p in zip(rows.tolist(), prompts):
+            torch.testing.assert_close(grouped.cache.layers[layer].keys[b, :, :len(p)],
+                                       one.cache.layers[layer].keys[b, :, :len(p)], rtol=1e-9, atol=1e-9)
+
+
+def test_prefill_refuses_empty_prompts_and_a_zero_budget():
+    adapter = TargetAdapter(tiny_target("llama", num_layers=2))
+    adapter.reset(2, capacity=8)
+    with pytest.raises(ValueError, match="at least one token"):
+        adapter.prefill([[5, 6], []])
+    with pytest.raises(ValueError, match="max_forward_tokens must be >= 1"):
+        adapter.prefill([[5, 6]], max_forward_tokens=0)
+    with pytest.raises(ValueError, match="2 prompts but 1 cache rows"):
+        adapter.prefill([[5], [6]], rows=torch.tensor([0]))
+
+
 def test_row_subsets_consecutive_or_not_give_the_same_logits():
     """A forward over some cache rows reads them in place when they are consecutive (a view) and gathers
     them otherwise; both give the logits of a forward over the same rows alone."""
@@ -111,3 +154,40 @@ def test_layer_ids_outside_the_target_are_refused_with_the_range():
     adapter = TargetAdapter(tiny_target("llama", num_layers=3))
     with pytest.raises(ValueError, match=r"7.*0\.\.2"):
         adapter.check_layer_ids([0, 7])
+
+
+def test_prefill_last_hidden_only_is_the_hidden_state_at_each_prompts_last_token():
+    prompts = [[5, 6, 7, 8], [12, 13], [20, 21, 22]]
+    model = tiny_target("llama", dtype=torch.float64, num_layers=2)
+    full, last = TargetAdapter(model), TargetAdapter(model)
+    full.reset(3, capacity=8)
+    last.reset(3, capacity=8)
+    ref = full.prefill(prompts, hidden_layer_ids=[1, 0], max_forward_tokens=6).hidden
+    out = last.prefill(prompts, hidden_layer_ids=[1, 0], last_hidden_only=True, max_forward_tokens=6).hidden
+    assert out.shape == (3, 1, 2, ref.shape[-1])
+    torch.testing.assert_close(out[:, 0], ref[torch.arange(3), torch.tensor([3, 1, 2])], rtol=0, atol=0)
+
+
+def test_reset_reuses_storage_that_fits_and_a_reused_cache_gives_a_fresh_caches_logits():
+    """reset() keeps the previous K/V storage (views of its first rows) when it holds enough rows and
+    tokens; what a previous call left past each row's length is masked, so the logits are those of a
+    freshly zeroed cache, exactly."""
+    model = tiny_target("qwen3", dtype=torch.float64, num_layers=2)
+    used = TargetAdapter(model)
+    used.reset(3, capacity=12)
+    used.extend(torch.arange(5, 35).reshape(3, 10))  # fills positions 0..9 of every row
+    storage = used.cache.layers[1].keys.data_ptr()
+    used.reset(2, capacity=8)
+    assert used.cache.layers[1].keys.data_ptr() == storage and used.lengths.tolist() == [0, 0]
+    assert used.cache.layers[0].keys.shape[0] == 2 and used.cache.capacity == 12
+    fresh = TargetAdapter(model)
+    fresh.reset(2, capacity=8)
+    prompt = torch.tensor([[40, 41, 42], [43, 44, 45]])
+    torch.testing.assert_close(used.extend(prompt).logits, fresh.extend(prompt).logits, rtol=0, atol=0)
+    step = torch.tensor([[50], [51]])
+    torch.testing.assert_close(used.extend(step).logits, fresh.extend(step).logits, rtol=0, atol=0)
+    used.reset(4, capacity=8)  # more rows than held: new storage
+    assert used.cache.layers[1].keys.data_ptr() != storage and used.cache.layers[1].keys.shape[0] == 4
+    kept = used.cache.layers[1].keys.data_ptr()
+    used.reset(4, capacity=20)  # more tokens than held: new storage
+    assert used.cache.layers[1].keys.data_ptr() != kept and used.cache.capacity == 20
