@@ -5,7 +5,8 @@ mixed length decodes most of its steps with a few rows left (regeneration of 32 
 tokens averaged ~50 tokens/s where a full 32-row decode step runs ~180 here). `ContinuousDecoder`
 keeps `slots` rows busy instead: when a row's request ends (EOS or max_new_tokens), the next prompt is
 prefilled into that row of the ragged KV cache (rows that free up together are prefilled together, in
-`TargetAdapter.prefill`'s forwards of a bounded number of tokens, logits at their last token only) and joins the next decode step.
+`TargetAdapter.prefill`'s forwards of a bounded number of tokens, logits at their last token only) and
+joins the next decode step.
 
 The decode itself is the engine's plain step: one anchor token per row through `TargetAdapter.extend`,
 the next token drawn by `sampling_probs` / `sample_from` (greedy: argmax). Only how requests share
