@@ -171,11 +171,15 @@ def plan_pass(confidences, ratios, budget, conf_out, lengths, slots, drafted_at,
 @numba.njit(cache=True, nogil=True)
 def fold_audit(accepted, predicted, step_accepted, step_predicted, decay, prior, ratios):
     """The audit's running counts after one more matured step, in place: accepted = decay accepted +
-    step_accepted (predicted likewise), ratios = (accepted + prior) / (predicted + prior)."""
+    step_accepted (predicted likewise), ratios[j] = (accepted[j] + prior x rho_{j-1}) / (predicted[j] +
+    prior) with rho_{-1} = 1: a slot shrinks toward the slot before it (a slot seldom verified inherits
+    its predecessor's correction instead of claiming 1)."""
+    previous = 1.0
     for j in range(accepted.shape[0]):
         accepted[j] = accepted[j] * decay + step_accepted[j]
         predicted[j] = predicted[j] * decay + step_predicted[j]
-        ratios[j] = (accepted[j] + prior) / (predicted[j] + prior)
+        ratios[j] = (accepted[j] + prior * previous) / (predicted[j] + prior)
+        previous = ratios[j]
 
 
 @numba.njit(cache=True, nogil=True)

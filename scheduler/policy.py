@@ -310,7 +310,7 @@ class AutoPolicy(_SpsPolicy):
                              self._ratios)
 
     def audit_ratios(self) -> torch.Tensor:
-        """rho_j = (accepted_j + prior) / (predicted_j + prior), over matured outcomes."""
+        """rho_j = (accepted_j + prior x rho_{j-1}) / (predicted_j + prior), rho_{-1} = 1, over matured outcomes."""
         return torch.from_numpy(self._ratios.copy())
 
     @staticmethod

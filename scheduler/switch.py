@@ -12,9 +12,11 @@ commits N. The switch compares the two rates, with every cost taken from the pro
 
 The survivals it reads are estimates from information at least `lag` steps old (the two-step-stale rule
 of `StalePolicy`, so the switch works under overlap scheduling): each request's last drafted calibrated
-confidences, corrected per slot by an acceptance audit `rho_j = (accepted_j + prior) / (predicted_j +
-prior)` (observed accepts over the confidences predicted for the same verified slots; an untrained or
-miscalibrated head that promises 0.5 and delivers 0 is caught within a few verified slots), and for
+confidences, corrected per slot by an acceptance audit `rho_j = (accepted_j + prior x rho_{j-1}) /
+(predicted_j + prior)`, rho_{-1} = 1 (observed accepts over the confidences predicted for the same
+verified slots, each slot shrunk toward the slot before it, so slots seldom verified inherit the
+correction of the ones that are; an untrained or miscalibrated head that promises 0.5 and delivers 0 is
+caught within a few verified slots), and for
 requests never drafted the mean of the known ones (`estimated_survival`; AutoPolicy falls back to a running
 mean of earlier requests' confidences when no request of the batch is known).
 

@@ -37,6 +37,8 @@ BATCH_INVARIANT_ATTENTION = "hspec_batch_invariant"
 # padded tokens per prefill forward (TargetAdapter.prefill): 32 MT-Bench prompts prefill in 5 s in groups
 # of <= 1024 tokens on a 2-core CPU, 17 s in one forward
 PREFILL_FORWARD_TOKENS = 1024
+# KV storage is allocated in whole multiples of this many tokens (TargetAdapter.reset)
+KV_CAPACITY_GRANULE = 64
 _QUERY_CHUNK = 8  # queries per chunk: bounds the [chunk, keys, head_dim] products; rows are independent
 
 
@@ -293,13 +295,17 @@ class TargetAdapter:
         The previous storage is reused when it is large enough (its first `rows` rows, a view): every
         entry in it is zero or a K/V the model wrote, finite either way, and entries past a row's length
         are masked. Allocating it afresh (32 rows x 316 tokens x 30 layers: 466 MB of zeros) cost 0.2-1.4 s
-        of page faults per generate call on a 2-core CPU, as much as 9 decode steps."""
+        of page faults per generate call on a 2-core CPU, as much as 9 decode steps.
+
+        New storage holds `capacity` rounded up to a multiple of KV_CAPACITY_GRANULE tokens, so calls
+        that differ by a few tokens (a drafter's block of headroom, plain decoding's none) share it."""
         old = self.cache
         if old is not None and old.rows >= rows and old.capacity >= capacity:
             self.cache = old.first_rows(rows)
             return
         self.cache = None  # free the old storage before allocating the new
         g = self.geometry
+        capacity = -(-capacity // KV_CAPACITY_GRANULE) * KV_CAPACITY_GRANULE
         self.cache = RaggedKVCache(num_layers=g.num_hidden_layers, rows=rows, num_kv_heads=g.num_key_value_heads,
                                    head_dim=g.head_dim, capacity=capacity, dtype=self.dtype, device=self.device)
 

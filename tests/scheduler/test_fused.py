@@ -123,11 +123,25 @@ def test_mature_pass_writes_the_snapshot_and_folds_the_prior():
 def test_fold_audit_and_index_bounds_hand_computed():
     accepted, predicted, ratios = np.array([2.0, 0.0]), np.array([4.0, 1.0]), np.ones(2)
     fused.fold_audit(accepted, predicted, np.array([1.0, 0.0]), np.array([0.5, 0.5]), 0.5, 1.0, ratios)
-    # accepted 2 * 0.5 + 1 = 2, predicted 4 * 0.5 + 0.5 = 2.5 -> (2 + 1) / (2.5 + 1); slot 1: 1 / (1 + 1)
+    # accepted 2 * 0.5 + 1 = 2, predicted 4 * 0.5 + 0.5 = 2.5 -> (2 + 1) / (2.5 + 1); slot 1 shrinks
+    # toward slot 0's ratio, not toward 1: (0 + 1 x 3 / 3.5) / (1 + 1)
     assert accepted.tolist() == [2.0, 0.0] and predicted.tolist() == [2.5, 1.0]
-    assert ratios.tolist() == pytest.approx([3 / 3.5, 0.5], abs=1e-15)
+    assert ratios.tolist() == pytest.approx([3 / 3.5, 3 / 7], abs=1e-15)
     assert fused.index_bounds(np.array([4, -1, 9, 3])) == (-1, 9)
     assert fused.index_bounds(np.array([5])) == (5, 5)
+
+
+def test_fold_audit_unseen_slots_inherit_the_last_seen_slots_correction():
+    # a head that claims 1 on every slot; slot 0 verified 20 times with 2 accepts, slot 1 twice, none
+    # accepted, slots 2-3 never: rho_0 = 3 / 21, rho_1 = rho_0 / 3, rho_2 = rho_3 = rho_1 (prior 1, decay 1)
+    accepted, predicted, ratios = np.zeros(4), np.zeros(4), np.ones(4)
+    fused.fold_audit(accepted, predicted, np.array([2.0, 0.0, 0.0, 0.0]), np.array([20.0, 2.0, 0.0, 0.0]), 1.0,
+                     1.0, ratios)
+    rho0 = 3 / 21
+    assert ratios.tolist() == pytest.approx([rho0, rho0 / 3, rho0 / 3, rho0 / 3], abs=1e-15)
+    # the survivals the switch reads from them (confidence 1 everywhere) fall geometrically with the slot
+    survival = switch.estimated_survival_numpy(confidences=np.ones((1, 4)), known=np.array([True]), ratios=ratios)
+    assert survival[0].tolist() == pytest.approx([rho0, rho0**2 / 3, rho0**3 / 9, rho0**4 / 27], rel=1e-12)
 
 
 def test_audit_pass_matches_reference():

@@ -6,7 +6,7 @@ import torch
 
 from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.target import adapter as adapter_mod
-from sglang_hspec.target.adapter import TargetAdapter, consecutive_span
+from sglang_hspec.target.adapter import KV_CAPACITY_GRANULE, TargetAdapter, consecutive_span
 
 
 def test_extend_raises_when_the_target_ignores_the_ragged_cache(monkeypatch):
@@ -171,15 +171,19 @@ def test_prefill_last_hidden_only_is_the_hidden_state_at_each_prompts_last_token
 def test_reset_reuses_storage_that_fits_and_a_reused_cache_gives_a_fresh_caches_logits():
     """reset() keeps the previous K/V storage (views of its first rows) when it holds enough rows and
     tokens; what a previous call left past each row's length is masked, so the logits are those of a
-    freshly zeroed cache, exactly."""
+    freshly zeroed cache, exactly. New storage is allocated in whole granules of 64 tokens."""
+    assert KV_CAPACITY_GRANULE == 64
     model = tiny_target("qwen3", dtype=torch.float64, num_layers=2)
     used = TargetAdapter(model)
     used.reset(3, capacity=12)
+    assert used.cache.capacity == 64
     used.extend(torch.arange(5, 35).reshape(3, 10))  # fills positions 0..9 of every row
     storage = used.cache.layers[1].keys.data_ptr()
     used.reset(2, capacity=8)
     assert used.cache.layers[1].keys.data_ptr() == storage and used.lengths.tolist() == [0, 0]
-    assert used.cache.layers[0].keys.shape[0] == 2 and used.cache.capacity == 12
+    assert used.cache.layers[0].keys.shape[0] == 2 and used.cache.capacity == 64
+    used.reset(2, capacity=64)  # a few tokens more (a drafter's headroom), still inside the granule
+    assert used.cache.layers[1].keys.data_ptr() == storage
     fresh = TargetAdapter(model)
     fresh.reset(2, capacity=8)
     prompt = torch.tensor([[40, 41, 42], [43, 44, 45]])
@@ -189,5 +193,5 @@ def test_reset_reuses_storage_that_fits_and_a_reused_cache_gives_a_fresh_caches_
     used.reset(4, capacity=8)  # more rows than held: new storage
     assert used.cache.layers[1].keys.data_ptr() != storage and used.cache.layers[1].keys.shape[0] == 4
     kept = used.cache.layers[1].keys.data_ptr()
-    used.reset(4, capacity=20)  # more tokens than held: new storage
-    assert used.cache.layers[1].keys.data_ptr() != kept and used.cache.capacity == 20
+    used.reset(4, capacity=65)  # more tokens than held: new storage, two granules
+    assert used.cache.layers[1].keys.data_ptr() != kept and used.cache.capacity == 128
