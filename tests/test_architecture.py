@@ -178,3 +178,18 @@ def test_no_reference_to_documents_outside_the_repo():
                 if _OUTSIDE.search(line):
                     hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
     assert not hits, "references to documents outside the repo (cite docs/architecture.md instead):\n" + "\n".join(hits)
+
+
+def test_no_test_package_shadows_an_installed_distribution():
+    """tests/ is on sys.path (pytest's rootdir import mode, and the conftests that import tests/sglang_cpu),
+    so a test folder with an __init__.py is importable under its bare name. tests/kernels was one, and
+    once transformers 5.25 depended on Hugging Face's `kernels`, its `from kernels import ...` at import
+    time found ours and every test that loads a model failed to collect."""
+    import importlib.metadata
+
+    installed = importlib.metadata.packages_distributions()
+    tests_dir = Path(__file__).parent
+    shadows = {init.parent.name: installed[init.parent.name] for init in tests_dir.glob("*/__init__.py")
+               if init.parent.name in installed}
+    assert not shadows, (f"test packages named like installed distributions: {shadows}; drop their __init__.py "
+                         "(import their helpers by bare name) or rename them")

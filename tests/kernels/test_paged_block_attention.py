@@ -9,10 +9,9 @@ import math
 
 import pytest
 import torch
+from _pool import block_inputs, paged_pool, to_device, with_storage
 
 from sglang_hspec.kernels import PagedKVWindow, paged_block_attention, paged_block_attention_reference
-
-from ._pool import block_inputs, paged_pool, to_device, with_storage
 
 needs_triton = pytest.mark.skipif(
     not __import__("sglang_hspec.kernels", fromlist=["triton_available"]).triton_available(),

@@ -12,10 +12,10 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed in this environment (it ships with sglang: "
                                      "run `make test-sglang`, which runs tests/kernels in .venv-sglang)")
 
+from _pool import block_inputs, paged_pool, to_device, with_storage  # noqa: E402
+
 from sglang_hspec.kernels import paged_block_attention, paged_block_attention_reference  # noqa: E402
 from sglang_hspec.kernels.triton_block_attention import triton_paged_block_attention  # noqa: E402
-
-from ._pool import block_inputs, paged_pool, to_device, with_storage  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max abs errors measured at these shapes (interpreter): fp32 <= 6e-7 (IEEE dots); bf16 <= 0.015, about one
