@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU-only checks for a lent GPU machine (no registry, no network): Mamba kernels and the drafter against
 # the CPU float64 reference, CUDA-graph capture of propose, planner without host syncs. Needs only this
-# repo and the machine's own Python (torch with CUDA; SGLang and mamba_ssm where installed: a missing
-# kernel fails its item, it is never skipped). Results under $OUT (gpu_check.json, gpu_check.log); ends
+# repo and the machine's own Python (torch with CUDA; SGLang and mamba_ssm where installed, or their Triton
+# kernels staged into .gpu/ by scripts/gpu_stage.sh on a machine with the package index: a missing kernel
+# fails its item, it is never skipped). Results under $OUT (gpu_check.json, gpu_check.log); ends
 # within 8 minutes. Exit 0 all passed, 1 a check failed, 2 no CUDA device (a CPU-only run always fails).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +27,19 @@ fi
 echo "gpu_check: using $PY" | tee "$OUT/gpu_check.log"
 export TRITON_F32_DEFAULT=ieee  # plain fp32 tl.dot is TF32 on sm80+ otherwise
 unset HSPEC_MAMBA_SCAN  # the checks pick kernels as a server / trainer would
-export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
-timeout --kill-after=10 470 "$PY" scripts/gpu_check.py --out "$OUT" --budget-s 400 2>&1 | tee -a "$OUT/gpu_check.log"
+# this package, installed (its scheduler/ and calibration/ folders map into sglang_hspec only when installed),
+# plus what scripts/gpu_stage.sh staged here in .gpu/ for a machine without a package index
+site="$(mktemp -d)/site"
+has_cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+if [ "$has_cuda" = 1 ] && [ -d .gpu/wheels ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" .gpu/wheels/*.whl 2>&1 | tee -a "$OUT/gpu_check.log"
+fi
+if [ "$has_cuda" = 1 ] && ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" . >>"$OUT/gpu_check.log" 2>&1; then
+  echo "gpu_check: FAIL: could not install this package with $PY (pip install --no-deps --no-build-isolation .): see $OUT/gpu_check.log" | tee -a "$OUT/gpu_check.log" >&2
+  exit 1
+fi
+export PYTHONPATH="$site:$(pwd)/.gpu/site:${PYTHONPATH:-}"
+timeout --kill-after=10 470 "$PY" scripts/gpu_check.py --out "$OUT" --budget-s "${GPU_CHECK_BUDGET_S:-400}" 2>&1 | tee -a "$OUT/gpu_check.log"
 rc="${PIPESTATUS[0]}"
 [ "$rc" = 124 ] && echo "gpu_check: FAIL: timed out after 470 s" | tee -a "$OUT/gpu_check.log" >&2
 exit "$rc"

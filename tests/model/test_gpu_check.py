@@ -80,3 +80,19 @@ def test_drafter_checks_run_on_cpu(gpu_check):
         "drafter_propose_fp32: expected the sglang Mamba scan, ran ['torch']"]
     train = gpu_check.drafter_train_case("fp32", device="cpu")
     assert train["logits"] < 1e-4 and train["worst_grad"] < 1e-3 and train["scans_run"] == ["torch"]
+
+
+def test_smallest_configs_keeps_the_least_shared_memory(gpu_check):
+    """--autotune smallest: the 3 configs of least stages x tile, so the autotuner can still skip one that does
+    not fit (on the H200 the single smallest by stages, then tile, did not)."""
+    from types import SimpleNamespace
+
+    def cfg(m, n, k, stages, warps):
+        return SimpleNamespace(kwargs={"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k, "HAS_Z": True},
+                               num_stages=stages, num_warps=warps)
+    configs = [cfg(128, 256, 64, 3, 8), cfg(64, 32, 32, 5, 2), cfg(32, 64, 32, 5, 2), cfg(64, 64, 32, 4, 2),
+               cfg(32, 32, 32, 2, 4), cfg(128, 32, 32, 4, 4)]
+    # footprints: 6291456, 327680, 327680, 524288, 65536, 524288 (ties broken by fewer warps, then list order)
+    kept = gpu_check.smallest_configs(configs)
+    assert kept == [configs[4], configs[1], configs[2]]
+    assert gpu_check.smallest_configs(configs, keep=1) == [configs[4]]
