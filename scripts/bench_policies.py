@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="embedded")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the target's batch-invariant mode: bf16 greedy speculation token-identical to plain")
     ap.add_argument("--drafters", default="shipped,random", help="comma-separated: shipped, random, ngram, DIR")
     ap.add_argument("--sps-table", default=None, help="SPS table JSON; default: profile one first")
     ap.add_argument("--profile-context", type=int, default=128)
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     sps_table = args.sps_table or profile_table(args, Path(args.out or "bench_policies.json").with_suffix(".sps.json"))
-    adapter = load_target(args.target, dtype=args.dtype)
+    adapter = load_target(args.target, dtype=args.dtype, batch_invariant=args.batch_invariant)
     drafters = {spec: load_drafter(spec, adapter) for spec in args.drafters.split(",")}
     items = load_prompts("mtbench")
     prompts = [chat_input_ids(adapter.tokenizer, it.messages(0)) for it in items]
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     plain_median = {r["batch"]: r["throughput_tok_s"] for r in summary if r["policy"] == "plain"}
     for r in summary:
         r["x_plain_of_medians"] = r["throughput_tok_s"] / plain_median[r["batch"]]
-    print(f"\n{cpu_description()} | torch threads {torch.get_num_threads()} | dtype {adapter.dtype} | "
+    print(f"\n{cpu_description()} | torch threads {torch.get_num_threads()} | dtype {adapter.dtype}"
+          f"{' batch-invariant' if adapter.batch_invariant else ''} | "
           f"max_new_tokens {args.max_new_tokens} | T={args.temperature} | SPS table {sps_table} | "
           f"median of {args.repeats} interleaved rounds "
           + ("(a seeded permutation per round)" if args.order == "shuffle" else "(odd rounds in reverse order)"))
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"cpu": cpu_description(), "device": str(adapter.device), "dtype": str(adapter.dtype),
+                       "batch_invariant": adapter.batch_invariant,
                        "threads": torch.get_num_threads(), "sps_table": sps_table, "repeats": args.repeats,
                        "order": args.order,
                        "summary": summary, "rows": rows}, fh, indent=2)
