@@ -31,12 +31,14 @@ unset HSPEC_MAMBA_SCAN  # the checks pick kernels as a server / trainer would
 # plus what scripts/gpu_stage.sh staged here in .gpu/ for a machine without a package index
 site="$(mktemp -d)/site"
 has_cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
-if [ "$has_cuda" = 1 ] && [ -d .gpu/wheels ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" .gpu/wheels/*.whl 2>&1 | tee -a "$OUT/gpu_check.log"
-fi
-if [ "$has_cuda" = 1 ] && ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" . >>"$OUT/gpu_check.log" 2>&1; then
-  echo "gpu_check: FAIL: could not install this package with $PY (pip install --no-deps --no-build-isolation .): see $OUT/gpu_check.log" | tee -a "$OUT/gpu_check.log" >&2
-  exit 1
+if [ "$has_cuda" = 1 ]; then  # without CUDA gpu_check.py reports that and exits 2: nothing to install for it
+  if [ -d .gpu/wheels ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" .gpu/wheels/*.whl 2>&1 | tee -a "$OUT/gpu_check.log"
+  fi
+  if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" . >>"$OUT/gpu_check.log" 2>&1; then
+    echo "gpu_check: FAIL: could not install this package with $PY (pip install --no-deps --no-build-isolation .): see $OUT/gpu_check.log" | tee -a "$OUT/gpu_check.log" >&2
+    exit 1
+  fi
 fi
 export PYTHONPATH="$site:$(pwd)/.gpu/site:${PYTHONPATH:-}"
 timeout --kill-after=10 470 "$PY" scripts/gpu_check.py --out "$OUT" --budget-s "${GPU_CHECK_BUDGET_S:-400}" 2>&1 | tee -a "$OUT/gpu_check.log"

@@ -48,7 +48,6 @@ touch .gpu.tmp/site/mamba_ssm/ops/__init__.py .gpu.tmp/site/mamba_ssm/utils/__in
 printf '__version__ = "%s"  # Triton kernels only (scripts/gpu_stage.sh)\n' "$MAMBA_SSM_VERSION" \
   > .gpu.tmp/site/mamba_ssm/__init__.py
 
-
 echo "gpu_stage: SGLang $SGLANG_VERSION's Triton selective_state_update"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_34_x86_64 -d "$tmp" "sglang==$SGLANG_VERSION" 2>&1 | grep -v "WARNING: Location" || true
