@@ -251,6 +251,10 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         Row("training", "input_ids and loss_mask of different lengths", [*jsonl_train,
                                                                           f"data.train_path={w('masklen.jsonl')}"]),
         Row("training", "records without an assistant token", [*jsonl_train, f"data.train_path={w('noanchor.jsonl')}"]),
+        Row("training", "`training.device=cuda` where no GPU is visible", [*train, "training.device=cuda",
+                                                                               f"training.output_dir={scratch / 'run'}"]),
+        Row("training", "`data regenerate --device cuda` where no GPU is visible",
+            ["data", "regenerate", "--in", str(w("foo.jsonl")), "--out", str(w("regen")), "--device", "cuda"]),
         # artifacts on a full disk (library calls: the disk is made to fail in-process)
         Row("artifacts", "`save_drafter` on a full disk", call=functools.partial(full_disk_save_drafter, scratch)),
         Row("artifacts", "`build_dataset` (data shards) on a full disk",

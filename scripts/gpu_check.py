@@ -254,6 +254,30 @@ def batch_invariance_case(device="cuda"):
             "linear_rows_batch_invariant": linear_rows_are_batch_invariant(dtype=torch.bfloat16, device=device)}
 
 
+def continuous_decoder_case(device="cuda"):
+    """`hspec data regenerate --device cuda`'s decode path: the continuous decoder (rows refilled as requests end)
+    on CUDA in float64 gives the CPU's greedy replies token for token, and a seeded sampled call reproduces
+    itself there."""
+    from sglang_hspec.assets.tiny import tiny_target
+    from sglang_hspec.core.types import SamplingParams
+    from sglang_hspec.engine.continuous import ContinuousDecoder
+    from sglang_hspec.target.adapter import TargetAdapter
+
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 96, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (12,), generator=gen)]
+    greedy = SamplingParams(max_new_tokens=24)
+    replies = {}
+    for dev in ("cpu", device):
+        adapter = TargetAdapter(tiny_target("llama", vocab_size=96, dtype=torch.float64, seed=5).to(dev))
+        replies[dev] = [r.output_ids for r in ContinuousDecoder(adapter, slots=5, eos_token_ids=[2, 7]).generate(
+            prompts, greedy)]
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=11)
+    a, b = (ContinuousDecoder(adapter, slots=5).generate(prompts, sampled) for _ in range(2))
+    return {"greedy_reply_mismatch": sum(x != y for x, y in zip(replies["cpu"], replies[device])) / len(prompts),
+            "sampled_rerun_mismatch": sum(x.output_ids != y.output_ids for x, y in zip(a, b)) / len(prompts),
+            "tokens": sum(map(len, replies[device]))}
+
+
 def failures_of(checks: dict) -> list[str]:
     """Every way a recorded check fails: an error, a value over its tolerance, a non-zero mismatch or
     written state, or a Mamba scan other than the one the check exists to run."""
@@ -319,6 +343,7 @@ def checks_plan(available: dict[str, bool]) -> list[tuple[str, object]]:
     plan.append(("cuda_graph_propose_fp32", lambda: graph_case(available)))
     plan.append(("planner_topk_fp32", planner_case))
     plan.append(("target_batch_invariance", batch_invariance_case))
+    plan.append(("continuous_decoder_fp64", continuous_decoder_case))
     return plan + ssd_cases(SSD_SHAPES[1:])
 
 

@@ -21,6 +21,23 @@ TARGET_SPECS = ("embedded", "tiny", "<local Hugging Face model directory>")
 _ALIASES = {"smollm2": "embedded"}
 
 
+def resolve_device(name: str, *, flag: str = "--device") -> torch.device:
+    """'auto' (the first visible GPU, else the CPU) | 'cpu' | 'cuda' | 'cuda:N' -> torch.device; `flag` names
+    the option in the error for a device this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    sep = " " if flag.startswith("--") else "="  # a CLI flag or a config key
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{flag} {name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{flag} {name!r}: no CUDA device is visible to torch here; use {flag}{sep}cpu or {flag}{sep}auto")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{flag} {name!r}: only cpu and cuda targets are supported; use auto, cpu or cuda")
+    return device
+
+
 def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                 tiny_kwargs: dict[str, Any] | None = None, batch_invariant: bool = False) -> TargetAdapter:
     """A `TargetAdapter` over the frozen (eval, no grad) target named by `spec` (see module docstring).

@@ -481,6 +481,7 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--out", required=True, help="output directory (shards/, train.jsonl, heldout.jsonl, stats.json)")
     r.add_argument("--target", default="embedded", help="'embedded' (SmolLM2) or a local HF chat model directory")
     r.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 (auto: bf16 only where it is faster here)")
+    r.add_argument("--device", default="auto", help="auto (the first GPU, else the CPU) | cpu | cuda | cuda:N")
     r.add_argument("--drafter", default="none",
                    help="none (plain decoding, continuously batched over --slots rows) | ngram | a drafter checkpoint")
     r.add_argument("--batch-size", type=int, default=128,
@@ -512,11 +513,11 @@ def run_cli(args) -> int:
     from sglang_hspec.engine.continuous import ContinuousDecoder
     from sglang_hspec.engine.engine import SpeculativeEngine
     from sglang_hspec.engine.loading import load_drafter_spec
-    from sglang_hspec.target.loading import load_target
+    from sglang_hspec.target.loading import load_target, resolve_device
     from sglang_hspec.training.data import evaluation_prompt_texts
 
     torch.set_num_threads(args.threads)
-    adapter = load_target(args.target, dtype=args.dtype)
+    adapter = load_target(args.target, dtype=args.dtype, device=resolve_device(args.device))
     if args.drafter == "none":
         engine = ContinuousDecoder(adapter, slots=args.slots)
     else:

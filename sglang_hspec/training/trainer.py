@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from sglang_hspec.core.atomic import atomic_write_text
 from sglang_hspec.target.dtypes import bf16_is_fast
+from sglang_hspec.target.loading import resolve_device
 from sglang_hspec.training.config import TrainConfig, check_against_target, check_block_size, load_config
 from sglang_hspec.training.data import load_examples, load_examples_cached, patterned_examples
 from sglang_hspec.training.losses import (
@@ -234,11 +235,9 @@ def _lr_lambda(cfg: TrainConfig):
 
 def _device(cfg: TrainConfig) -> torch.device:
     d = cfg.training.device
-    if d == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
-    return torch.device(d)
+    if d == "auto" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return resolve_device(d, flag="training.device")
 
 
 def _load_examples(cfg: TrainConfig, tokenizer, *, progress: bool = False) -> list[dict[str, Any]]:
@@ -284,7 +283,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     random.seed(t.seed)
 
     if target is None:
-        from sglang_hspec.target.loading import load_target
+        from sglang_hspec.target.loading import load_target  # looked up per call: scripts/bad_inputs.py patches it
 
         loaded = load_target(cfg.model.target, dtype=cfg.model.target_dtype,
                              tiny_kwargs=cfg.model.target_kwargs, device=device)

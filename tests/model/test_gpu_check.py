@@ -53,6 +53,8 @@ def test_verdict_passes_only_clean_checks(gpu_check):
      "expected the sglang Mamba scan, ran ['torch']"),
     ("cuda_graph_propose_fp32", {"replay_token_mismatch": 0.0, "scans_run": [], "expected_scan": "mamba_ssm"},
      "expected the mamba_ssm Mamba scan"),
+    ("continuous_decoder_fp64", {"greedy_reply_mismatch": 1 / 12, "sampled_rerun_mismatch": 0.0, "tokens": 280},
+     "greedy_reply_mismatch = 8.33e-02"),
 ])
 def test_verdict_fails_each_way_a_check_goes_wrong(gpu_check, name, result, expect):
     failures = gpu_check.failures_of({name: result})
@@ -80,6 +82,14 @@ def test_drafter_checks_run_on_cpu(gpu_check):
         "drafter_propose_fp32: expected the sglang Mamba scan, ran ['torch']"]
     train = gpu_check.drafter_train_case("fp32", device="cpu")
     assert train["logits"] < 1e-4 and train["worst_grad"] < 1e-3 and train["scans_run"] == ["torch"]
+
+
+def test_continuous_decoder_check_runs_on_cpu(gpu_check):
+    """The regeneration check's code, CPU against CPU: nothing differs, and replies of both lengths were drawn."""
+    res = gpu_check.continuous_decoder_case(device="cpu")
+    assert res["greedy_reply_mismatch"] == 0.0 and res["sampled_rerun_mismatch"] == 0.0
+    assert 12 < res["tokens"] < 12 * 24  # some replies end at EOS before max_new_tokens
+    assert gpu_check.failures_of({"continuous_decoder_fp64": res}) == []
 
 
 def test_smallest_configs_keeps_the_least_shared_memory(gpu_check):

@@ -37,3 +37,26 @@ def test_tiny_kwargs_on_another_target_are_refused(tmp_path):
 def test_embedded_and_its_alias_load_smollm2(embedded_dir):
     adapter = load_target("smollm2", dtype="fp32")
     assert adapter.geometry.num_hidden_layers == 30 and adapter.tokenizer is not None
+
+
+def test_resolve_device_auto_picks_the_gpu_only_where_there_is_one(monkeypatch):
+    from sglang_hspec.target.loading import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda") and resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_resolve_device_names_the_flag_and_the_fix(monkeypatch):
+    from sglang_hspec.target.loading import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--device 'cuda': no CUDA device is visible.*use --device cpu or --device auto"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match=r"training.device 'cuda'.*use training.device=cpu or training.device=auto"):
+        resolve_device("cuda", flag="training.device")
+    with pytest.raises(ValueError, match=r"training.device 'gpu' is not a device: use auto, cpu, cuda or cuda:N"):
+        resolve_device("gpu", flag="training.device")
+    with pytest.raises(ValueError, match=r"--device 'meta': only cpu and cuda"):
+        resolve_device("meta")
