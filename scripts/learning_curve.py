@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from sglang_hspec.core.atomic import atomic_write_text
 from sglang_hspec.target.dtypes import SPEED_FLAGS, cpu_flags, cpu_model
-from sglang_hspec.training.eval import pooled_tau, tau_per_doubling
+from sglang_hspec.training.eval import pooled_tau, save_tau_curve, tau_per_doubling
 
 DATASETS = "mtbench,gsm8k,humaneval"
 
@@ -122,16 +122,7 @@ def write_report(out: Path, state: dict) -> None:
         ys = [p["kinds"][k]["pooled_tau"] for p in points]
         s = slopes(points, k)
         ax.plot(xs, ys, marker="o", label=k if s is None else f"{k} ({s:+.3f} / doubling)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("training blocks seen")
-    ax.set_ylabel("held-out pooled tau (T=0, k=7)")
-    ax.set_title(f"learning curve, {state['machine']['cpu']}, {state.get('dtype', '?')}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = out / ".curve.png.tmp"
-    fig.savefig(tmp, dpi=120, format="png")
-    os.replace(tmp, out / "curve.png")
+    save_tau_curve(fig, ax, out / "curve.png", title=f"learning curve, {state['machine']['cpu']}, {state.get('dtype', '?')}")
 
 
 def eval_args(drafters: list[str], *, out: Path, limit: int, max_new_tokens: int, dtype: str) -> list[str]:

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 from sglang_hspec.core.atomic import atomic_write_text
-from sglang_hspec.training.eval import tau_per_doubling
+from sglang_hspec.training.eval import save_tau_curve, tau_per_doubling
 
 
 def series(curve: dict, arm: str) -> list[tuple[int, int, float]]:
@@ -111,16 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         s = slope(pts)
         ax.plot([b for _, b, _ in pts], [t for _, _, t in pts], marker="o", ls="--" if label == "baseline" else "-",
                 label=label if s is None else f"{label} ({s:+.3f} / doubling)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("training blocks seen")
-    ax.set_ylabel("held-out pooled tau (T=0, k=7)")
-    ax.set_title("learning-slope levers vs the baseline recipe (hspec)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = out / ".levers.png.tmp"
-    fig.savefig(tmp, dpi=120, format="png")
-    os.replace(tmp, out / "levers.png")
+    save_tau_curve(fig, ax, out / "levers.png", title="learning-slope levers vs the baseline recipe (hspec)")
     return 0
 
 

@@ -342,6 +342,23 @@ def tau_per_doubling(blocks: list[int], taus: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, taus)) / var if var else None
 
 
+def save_tau_curve(fig, ax, path: str | Path, *, title: str, xlabel: str = "training blocks seen") -> Path:
+    """The learning-curve plots' common finish (scripts/learning_curve.py, plot_levers.py, plot_lineage.py):
+    held-out tau over log2 blocks, legend, grid; written atomically as PNG."""
+    from sglang_hspec.core.atomic import atomic_open
+
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out pooled tau (T=0, k=7)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, dpi=120, format="png")
+    return Path(path)
+
+
 def comparison_table(payloads: list[dict], *, baseline: str = "dspark") -> str:
     """tau (and speedup) per dataset and temperature, one column per drafter, plus each drafter's tau
     relative to `baseline` where that drafter is among them (the paper reports H-Spec / DSpark)."""

@@ -283,7 +283,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     random.seed(t.seed)
 
     if target is None:
-        from sglang_hspec.target.loading import load_target  # looked up per call: scripts/bad_inputs.py patches it
+        # looked up per call, not at import: scripts/bad_inputs.py patches it to load the target once
+        from sglang_hspec.target.loading import load_target
 
         loaded = load_target(cfg.model.target, dtype=cfg.model.target_dtype,
                              tiny_kwargs=cfg.model.target_kwargs, device=device)
