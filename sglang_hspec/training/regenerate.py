@@ -329,12 +329,13 @@ def _order(pending: list[_Pending], *, window: int) -> list[_Pending]:
     return out
 
 
-def _batches(pending: list[_Pending], *, batch_size: int, max_batch_tokens: int) -> list[list[_Pending]]:
+def _batches(pending: list[_Pending], *, batch_size: int, max_batch_tokens: int | None) -> list[list[_Pending]]:
     """Consecutive runs of the length-sorted records, at most batch_size rows and rows x longest prompt
     <= max_batch_tokens (the prefill forward computes logits at every padded position)."""
     out, cur = [], []
     for p in pending:
-        if cur and (len(cur) >= batch_size or (len(cur) + 1) * p.prompt_tokens > max_batch_tokens):
+        if cur and (len(cur) >= batch_size or (max_batch_tokens is not None
+                                               and (len(cur) + 1) * p.prompt_tokens > max_batch_tokens)):
             out.append(cur)
             cur = []
         cur.append(p)
@@ -408,8 +409,10 @@ def _regenerate_locked(*, engine, tokenizer, in_paths, out_dir: Path, batch_size
                 n += 1
                 yield rec
 
-    pending, pre_skipped, num_input = _plan(records(), tokenizer=tokenizer, exclude_texts=exclude_texts,
-                                            max_prompt_tokens=max_prompt_tokens)
+    # planning applies the chat template to every record (minutes for ~15k): shown, not silent
+    pending, pre_skipped, num_input = _plan(
+        tqdm(records(), desc="plan (prompt lengths)", unit="conv", disable=not progress, leave=False),
+        tokenizer=tokenizer, exclude_texts=exclude_texts, max_prompt_tokens=max_prompt_tokens)
     ordered = _order(pending, window=sort_window(batch_size))
     # committed records are whole batches at the front of this order: dropping them keeps the batch cuts
     batches = _batches([p for p in ordered if p.id not in done], batch_size=batch_size,
@@ -488,9 +491,10 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
                    help="requests per engine call, committed together as one resumable shard")
     r.add_argument("--slots", type=int, default=32,
                    help="drafter none: rows decoded together; a row whose reply ends takes the next prompt at once")
-    r.add_argument("--max-batch-tokens", type=int, default=65536,
-                   help="cap on requests x longest prompt per batch (a speculative drafter prefills a whole batch "
-                        "in one forward; drafter none prefills the rows that free up)")
+    r.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="cap on requests x longest prompt per batch; default 65536 with a speculative drafter (it "
+                        "prefills a whole batch in one forward) and none with drafter none (it prefills only the "
+                        "rows that free up, so a cap would only shrink batches of long prompts and idle rows)")
     r.add_argument("--max-new-tokens", type=int, default=512)
     r.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
     r.add_argument("--max-turns", type=int, default=1, help="user turns answered per conversation (1: first only)")
@@ -524,7 +528,9 @@ def run_cli(args) -> int:
         engine = SpeculativeEngine(adapter, load_drafter_spec(args.drafter, adapter))
     stats = regenerate(
         engine=engine, tokenizer=adapter.tokenizer, in_paths=args.in_paths, out_dir=args.out,
-        batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        max_batch_tokens=args.max_batch_tokens if args.max_batch_tokens is not None else (
+            None if args.drafter == "none" else 65536), max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens, heldout_fraction=args.heldout,
         exclude_texts=evaluation_prompt_texts(), limit=args.limit, max_batches=args.max_batches, loops=args.loops,

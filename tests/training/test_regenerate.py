@@ -55,6 +55,17 @@ def test_sort_windows_are_whole_batches_and_at_most_1024_records():
     assert [sort_window(b) for b in (2, 32, 100, 512, 1024, 3000)] == [64, 1024, 1000, 1024, 1024, 3000]
 
 
+def test_batches_cut_at_batch_size_and_at_the_token_cap_only_when_there_is_one():
+    pending = [regen_module._Pending(f"r{i}", [], n) for i, n in enumerate([100, 200, 300, 300, 400, 500])]
+
+    def cuts(**kw):
+        return [[p.prompt_tokens for p in b] for b in regen_module._batches(pending, **kw)]
+
+    assert cuts(batch_size=4, max_batch_tokens=None) == [[100, 200, 300, 300], [400, 500]]
+    # rows x the next (longest so far) prompt: 3 x 300 = 900 fits 1000, 4 x 300 = 1200 does not; 3 x 500 = 1500 neither
+    assert cuts(batch_size=4, max_batch_tokens=1000) == [[100, 200, 300], [300, 400], [500]]
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return tiny_tokenizer()
