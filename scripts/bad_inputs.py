@@ -255,6 +255,12 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
                                                                                f"training.output_dir={scratch / 'run'}"]),
         Row("training", "`data regenerate --device cuda` where no GPU is visible",
             ["data", "regenerate", "--in", str(w("foo.jsonl")), "--out", str(w("regen")), "--device", "cuda"]),
+        Row("training", "`data regenerate --eval-texts` naming no file",
+            ["data", "regenerate", "--in", str(w("foo.jsonl")), "--out", str(w("regen")), "--eval-texts",
+             str(w("nope.json"))]),
+        Row("training", "`data regenerate --eval-texts` naming a JSONL of prompts instead",
+            ["data", "regenerate", "--in", str(w("foo.jsonl")), "--out", str(w("regen")), "--eval-texts",
+             str(w("foo.jsonl"))]),
         # artifacts on a full disk (library calls: the disk is made to fail in-process)
         Row("artifacts", "`save_drafter` on a full disk", call=functools.partial(full_disk_save_drafter, scratch)),
         Row("artifacts", "`build_dataset` (data shards) on a full disk",

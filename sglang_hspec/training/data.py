@@ -73,11 +73,49 @@ def _norm_text(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def evaluation_prompt_texts() -> set[str]:
-    """Normalised turns of every evaluation prompt set, to keep them out of the training data."""
+EVAL_TEXTS_FORMAT = "hspec-eval-texts/1"
+
+
+def evaluation_prompt_texts(path: str | Path | None = None) -> set[str]:
+    """Normalised turns of every evaluation prompt set, to keep them out of the training data: read from the
+    installed prompt packages, or from `path`, a file of `write_evaluation_texts` (for a machine that holds
+    the data but not those packages, such as a GPU machine without a package index)."""
+    if path is not None:
+        return read_evaluation_texts(path)
     from sglang_hspec.assets.prompts import PROMPT_SETS, load_prompts
 
     return {_norm_text(t) for name in PROMPT_SETS for item in load_prompts(name) for t in item.turns}
+
+
+def write_evaluation_texts(path: str | Path) -> dict[str, int]:
+    """Write every evaluation prompt set's normalised turns (sorted, deduplicated) as one JSON file; returns the
+    turn count per set."""
+    from sglang_hspec.assets.prompts import PROMPT_SETS, load_prompts
+
+    sets = {name: sorted({_norm_text(t) for item in load_prompts(name) for t in item.turns}) for name in PROMPT_SETS}
+    texts = sorted(set().union(*sets.values()))
+    counts = {name: len(turns) for name, turns in sets.items()}
+    atomic_write_text(Path(path), json.dumps({"format": EVAL_TEXTS_FORMAT, "sets": counts, "texts": texts}))
+    return counts
+
+
+def read_evaluation_texts(path: str | Path) -> set[str]:
+    fix = f"write it with `hspec data eval-texts --out {path}` on a machine that has the prompt packages"
+    try:
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--eval-texts {path}: no such file; {fix}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--eval-texts {path}: not a JSON file ({e}); {fix}") from None
+    if not isinstance(payload, dict) or payload.get("format") != EVAL_TEXTS_FORMAT:
+        found = (f"format {payload['format']!r}" if isinstance(payload, dict) and "format" in payload
+                 else "no format field" if isinstance(payload, dict) else f"a JSON {type(payload).__name__}")
+        raise ValueError(f"--eval-texts {path}: not an eval-texts file ({found}, expected format "
+                         f"{EVAL_TEXTS_FORMAT!r}); {fix}")
+    texts = payload.get("texts")
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"--eval-texts {path}: 'texts' must be a non-empty list of strings; {fix}")
+    return set(texts)
 
 
 def code_records(*, limit: int, root: str | None = None, max_chars: int = 3000, seed: int = 0) -> Iterator[dict[str, Any]]:

@@ -14,6 +14,7 @@ from sglang_hspec.training.data import (
     evaluation_prompt_texts,
     math_records,
     sharegpt_records,
+    write_evaluation_texts,
 )
 
 
@@ -27,16 +28,32 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--math", type=int, default=0, help="MATH problems outside MATH-500 to add (0: none)")
     b.add_argument("--code-root", default=None, help="directory of .py files (default: the stdlib)")
     b.add_argument("--heldout", type=float, default=0.02, help="held-out fraction (split by id hash)")
+    add_eval_texts_argument(b)
     b.set_defaults(func=run_cli)
+    e = sub.add_parser("eval-texts", help="write the evaluation prompt sets' turns (what build and regenerate "
+                                          "exclude) to one file, for a machine without the prompt packages")
+    e.add_argument("--out", required=True, help="output JSON file")
+    e.set_defaults(func=run_cli)
     r = sub.add_parser("regenerate", help="rewrite assistant turns with the target, batched and resumable")
     from sglang_hspec.training.regenerate import add_arguments
 
     add_arguments(r)
+    add_eval_texts_argument(r)
     r.set_defaults(func=run_cli)
     return p
 
 
+def add_eval_texts_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--eval-texts", default=None,
+                        help="file of `hspec data eval-texts`: the evaluation prompts to exclude, where the prompt "
+                             "packages are not installed (default: read from those packages)")
+
+
 def run_cli(args) -> int:
+    if args.data_command == "eval-texts":
+        counts = write_evaluation_texts(args.out)
+        print(json.dumps({"out": args.out, "turns_per_set": counts}))
+        return 0
     if args.data_command == "build":
         def records():
             if args.sharegpt:
@@ -47,7 +64,7 @@ def run_cli(args) -> int:
                 yield from math_records(limit=args.math)
 
         stats = build_dataset(records=records(), out_dir=args.out, heldout_fraction=args.heldout,
-                              exclude_texts=evaluation_prompt_texts())
+                              exclude_texts=evaluation_prompt_texts(args.eval_texts))
         print(json.dumps(stats.__dict__))
         return 0
     from sglang_hspec.training.regenerate import run_cli as run_regenerate

