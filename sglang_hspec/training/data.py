@@ -82,20 +82,22 @@ def evaluation_prompt_texts(path: str | Path | None = None) -> set[str]:
     the data but not those packages, such as a GPU machine without a package index)."""
     if path is not None:
         return read_evaluation_texts(path)
+    return set().union(*_evaluation_texts_by_set().values())
+
+
+def _evaluation_texts_by_set() -> dict[str, set[str]]:
     from sglang_hspec.assets.prompts import PROMPT_SETS, load_prompts
 
-    return {_norm_text(t) for name in PROMPT_SETS for item in load_prompts(name) for t in item.turns}
+    return {name: {_norm_text(t) for item in load_prompts(name) for t in item.turns} for name in PROMPT_SETS}
 
 
 def write_evaluation_texts(path: str | Path) -> dict[str, int]:
     """Write every evaluation prompt set's normalised turns (sorted, deduplicated) as one JSON file; returns the
     turn count per set."""
-    from sglang_hspec.assets.prompts import PROMPT_SETS, load_prompts
-
-    sets = {name: sorted({_norm_text(t) for item in load_prompts(name) for t in item.turns}) for name in PROMPT_SETS}
-    texts = sorted(set().union(*sets.values()))
+    sets = _evaluation_texts_by_set()
     counts = {name: len(turns) for name, turns in sets.items()}
-    atomic_write_text(Path(path), json.dumps({"format": EVAL_TEXTS_FORMAT, "sets": counts, "texts": texts}))
+    atomic_write_text(Path(path), json.dumps({"format": EVAL_TEXTS_FORMAT, "sets": counts,
+                                              "texts": sorted(set().union(*sets.values()))}))
     return counts
 
 

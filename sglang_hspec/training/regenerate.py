@@ -521,7 +521,7 @@ def run_cli(args) -> int:
     from sglang_hspec.training.data import evaluation_prompt_texts
 
     # read first: a bad --eval-texts file is answered before the target loads
-    exclude_texts = evaluation_prompt_texts(getattr(args, "eval_texts", None))
+    exclude_texts = evaluation_prompt_texts(args.eval_texts)
     torch.set_num_threads(args.threads)
     adapter = load_target(args.target, dtype=args.dtype, device=resolve_device(args.device))
     if args.drafter == "none":
