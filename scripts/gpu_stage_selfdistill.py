@@ -35,24 +35,16 @@ from pathlib import Path
 
 from sglang_hspec.assets.embedded import embedded_gguf_path
 from sglang_hspec.training.data import read_jsonl, write_evaluation_texts
+from sglang_hspec.training.regenerate import order_key as regeneration_order_key
+from sglang_hspec.training.regenerate import regenerated_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ("annotated-types", "gguf", "msgspec", "pydantic", "pydantic_core", "typing-inspection", "typing_extensions")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
-def regeneration_order_key(record_id: str) -> bytes:
-    """The order `hspec data regenerate` takes records in (training/regenerate.py `_order`, before its
-    length-sorted windows)."""
-    return hashlib.sha1(b"order\0" + record_id.encode()).digest()
-
-
 def done_ids(done_dirs: list[Path]) -> set[str]:
-    out: set[str] = set()
-    for d in done_dirs:
-        for status in sorted((d / "shards").glob("*.status.jsonl")):
-            out.update(json.loads(line)["id"] for line in status.read_text().splitlines() if line.strip())
-    return out
+    return set().union(*(regenerated_ids(d) for d in done_dirs))
 
 
 def cut_turns(conversation: list[dict], max_turns: int) -> list[dict]:

@@ -149,6 +149,12 @@ def _read_statuses(shard_dir: Path) -> dict[str, dict[str, Any]]:
     return done
 
 
+def regenerated_ids(out_dir: str | Path) -> set[str]:
+    """Ids of every record in the committed shards of a regenerate --out directory (any status)."""
+    shard_dir = Path(out_dir) / SHARD_DIR
+    return set(_read_statuses(shard_dir)) if shard_dir.is_dir() else set()
+
+
 def _commit_shard(shard_dir: Path, number: int, results: list[dict[str, Any]]) -> None:
     status_lines = [json.dumps({k: r[k] for k in ("id", "status", "reason", "target_tokens", "truncated")},
                                ensure_ascii=False) + "\n" for r in results]
@@ -318,11 +324,17 @@ def sort_window(batch_size: int) -> int:
     return min(SORT_WINDOW_BATCHES * batch_size, max(batch_size, SORT_WINDOW_MAX_RECORDS // batch_size * batch_size))
 
 
+def order_key(record_id: str) -> bytes:
+    """Where a record falls in the fixed pseudo-random order regenerate works through (before `_order`'s
+    length-sorted windows)."""
+    # salted: `in_heldout` splits by the unsalted hash, whose lowest values would all come first
+    return hashlib.sha1(b"order\0" + record_id.encode()).digest()
+
+
 def _order(pending: list[_Pending], *, window: int) -> list[_Pending]:
     """A fixed pseudo-random order (by id hash), each run of `window` records sorted by prompt length: a
     run stopped half way holds a fair sample of every source, and batches pad little."""
-    # salted: `in_heldout` splits by the unsalted hash, whose lowest values would all come first
-    shuffled = sorted(pending, key=lambda p: hashlib.sha1(b"order\0" + p.id.encode()).digest())
+    shuffled = sorted(pending, key=lambda p: order_key(p.id))
     out = []
     for s in range(0, len(shuffled), window):
         out += sorted(shuffled[s: s + window], key=lambda p: (p.prompt_tokens, p.id))

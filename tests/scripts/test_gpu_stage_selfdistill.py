@@ -37,6 +37,7 @@ def test_stages_the_last_records_not_done_with_their_first_turns(stage, tmp_path
     b.write_text("".join(json.dumps(r) + "\n" for r in recs[8:] + recs[:1]))  # r0 twice: staged once
     done_dir = tmp_path / "done"
     (done_dir / "shards").mkdir(parents=True)
+    (done_dir / "shards" / "000000.jsonl").write_text("")  # a committed shard: records + statuses
     (done_dir / "shards" / "000000.status.jsonl").write_text(
         "".join(json.dumps({"id": i, "status": "succeeded"}) + "\n" for i in ("r3", "r7")))
     assert stage.done_ids([done_dir]) == {"r3", "r7"}
