@@ -6,6 +6,8 @@
 Each file is an `hspec eval --out` JSON: one drafter's payload, or `{"runs": [...]}` from `--compare`.
 Speedups stay those of their own run (each run measured its own plain baseline); tau does not depend
 on machine speed. All runs must share prompts, block size, new-token budget and temperatures.
+`--paired` adds each run's per-prompt tau difference from the first run (mean, SE, prompts up / down):
+the test of whether a new drafter really beats the old one on these prompts.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import argparse
 import json
 from pathlib import Path
 
-from sglang_hspec.training.eval import comparison_table, plot_alpha
+from sglang_hspec.training.eval import comparison_table, paired_tau_difference, plot_alpha
 
 
 def load_runs(paths: list[str]) -> list[dict]:
     runs = []
     for path in paths:
         data = json.loads(Path(path).read_text())
-        runs.extend(data["runs"] if "runs" in data else [data])
+        found = data["runs"] if "runs" in data else [data]
+        for run in found:  # several files of one drafter kind: name the paired rows by file
+            run["label"] = f"{run['drafter']} ({Path(path).stem})" if len(found) == 1 else run["drafter"]
+        runs.extend(found)
     first = runs[0]
     for run in runs[1:]:
         for key in ("block_size", "max_new_tokens", "temperatures"):
@@ -33,15 +38,31 @@ def load_runs(paths: list[str]) -> list[dict]:
     return runs
 
 
+def paired_table(runs: list[dict]) -> str:
+    """Markdown rows: each later run's per-prompt tau difference from the first, per temperature."""
+    first = runs[0]
+    lines = [f"Paired per prompt against {first['label']}:", "",
+             "| drafter | T | prompts | mean tau difference | SE | up / down / same |", "|---|---|---|---|---|---|"]
+    for run in runs[1:]:
+        for t in first["temperatures"]:
+            d = paired_tau_difference(first, run, t)
+            lines.append(f"| {run['label']} | {t:g} | {d['n']} | {d['mean']:+.3f} | {d['se']:.3f} | "
+                         f"{d['up']} / {d['down']} / {d['same']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+")
     p.add_argument("--baseline", default="dspark")
     p.add_argument("--markdown")
     p.add_argument("--alpha-plot")
+    p.add_argument("--paired", action="store_true", help="per-prompt tau differences from the first run")
     args = p.parse_args()
     runs = load_runs(args.runs)
     table = comparison_table(runs, baseline=args.baseline)
+    if args.paired:
+        table += "\n" + paired_table(runs)
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(table)

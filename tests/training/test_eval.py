@@ -139,3 +139,24 @@ def test_parse_temperatures():
     assert parse_temperatures(["0", "0.7,1", "1"]) == [0.0, 0.7, 1.0]
     with pytest.raises(ValueError, match="negative"):
         parse_temperatures(["-1"])
+
+
+def _payload(name, taus, temperature=0.0):
+    return {"drafter": name, "requests": [{"dataset": d, "id": i, "temperature": temperature, "tau": t}
+                                          for (d, i), t in taus.items()]}
+
+
+def test_paired_tau_difference_by_hand():
+    from sglang_hspec.training.eval import paired_tau_difference
+
+    base = _payload("old", {("gsm8k", "a"): 2.0, ("gsm8k", "b"): 1.5, ("mbpp", "a"): 1.0, ("mbpp", "b"): 3.0})
+    new = _payload("new", {("gsm8k", "a"): 2.5, ("gsm8k", "b"): 1.5, ("mbpp", "a"): 1.5, ("mbpp", "b"): 2.0})
+    # differences +0.5, 0, +0.5, -1.0 (same id in two datasets stays two prompts): mean 0, sample variance
+    # (0.25 + 0 + 0.25 + 1) / 3 = 0.5, SE sqrt(0.5 / 4)
+    d = paired_tau_difference(base, new, 0.0)
+    assert d["n"] == 4 and d["mean"] == pytest.approx(0.0) and d["se"] == pytest.approx((0.5 / 4) ** 0.5)
+    assert (d["up"], d["down"], d["same"]) == (2, 1, 1)
+    # other temperatures are not mixed in; a prompt missing on one side is an error, not a silent drop
+    assert paired_tau_difference(base, new, 1.0)["n"] == 0
+    with pytest.raises(ValueError, match="different prompts"):
+        paired_tau_difference(base, _payload("short", {("gsm8k", "a"): 2.0}), 0.0)
