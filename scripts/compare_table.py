@@ -19,13 +19,24 @@ from pathlib import Path
 from sglang_hspec.training.eval import comparison_table, paired_tau_difference, plot_alpha
 
 
+def file_names(paths: list[str]) -> list[str]:
+    """The shortest path tails that tell the files apart: `a/x.json b/y.json` -> x, y; `a/eval.json b/eval.json`
+    -> a/eval, b/eval."""
+    parts = [Path(p).with_suffix("").parts for p in paths]
+    for depth in range(1, max(map(len, parts)) + 1):
+        names = ["/".join(q[-depth:]) for q in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(p) for p in paths]
+
+
 def load_runs(paths: list[str]) -> list[dict]:
     runs = []
-    for path in paths:
+    for path, name in zip(paths, file_names(paths)):
         data = json.loads(Path(path).read_text())
         found = data["runs"] if "runs" in data else [data]
-        for run in found:  # several files of one drafter kind: name the paired rows by file
-            run["label"] = f"{run['drafter']} ({Path(path).stem})" if len(found) == 1 else run["drafter"]
+        for run in found:  # several files of one drafter kind: name the columns and paired rows by file
+            run["label"] = f"{run['drafter']} ({name})" if len(found) == 1 else run["drafter"]
         runs.extend(found)
     first = runs[0]
     for run in runs[1:]:

@@ -382,9 +382,11 @@ def save_tau_curve(fig, ax, path: str | Path, *, title: str, xlabel: str = "trai
 
 def comparison_table(payloads: list[dict], *, baseline: str = "dspark") -> str:
     """tau (and speedup) per dataset and temperature, one column per drafter, plus each drafter's tau
-    relative to `baseline` where that drafter is among them (the paper reports H-Spec / DSpark)."""
-    names = [p["drafter"] for p in payloads]
-    base = names.index(baseline) if baseline in names else None
+    relative to `baseline` where that drafter is among them (the paper reports H-Spec / DSpark). Columns are
+    named by each payload's `label` where it has one (several runs of one drafter kind), else its drafter."""
+    kinds = [p["drafter"] for p in payloads]
+    names = [p.get("label", p["drafter"]) for p in payloads]
+    base = kinds.index(baseline) if baseline in kinds else None
     head = ["dataset", "T", *(f"tau {n}" for n in names), *(f"speedup {n}" for n in names)]
     if base is not None:
         head += [f"{n} / {baseline}" for i, n in enumerate(names) if i != base]

@@ -23,3 +23,18 @@ def test_paired_rows_name_files_and_differ_from_the_first(load_script, tmp_path)
     # both prompts +0.5: mean +0.5, SE 0 (no spread), 2 up
     assert "against hspec (old)" in table
     assert "| hspec (new) | 0 | 2 | +0.500 | 0.000 | 2 / 0 / 0 |" in table
+
+
+def test_files_of_one_name_are_told_apart_by_their_folders(load_script, tmp_path):
+    compare = load_script("compare_table")
+    paths = []
+    for folder, taus in (("V", [1.0, 2.0]), ("K", [1.0, 3.0])):
+        (tmp_path / folder).mkdir()
+        paths.append(tmp_path / folder / "heldout_eval.json")
+        paths[-1].write_text(json.dumps(_run(taus)))
+    assert compare.file_names([str(p) for p in paths]) == ["V/heldout_eval", "K/heldout_eval"]
+    runs = compare.load_runs([str(p) for p in paths])
+    table = compare.comparison_table(runs)
+    # differences 0 and +1: mean +0.5, sample SD 0.707, SE 0.707 / sqrt(2) = 0.5
+    assert "| dataset | T | tau hspec (V/heldout_eval) | tau hspec (K/heldout_eval) |" in table
+    assert "| hspec (K/heldout_eval) | 0 | 2 | +0.500 | 0.500 | 1 / 0 / 1 |" in compare.paired_table(runs)
