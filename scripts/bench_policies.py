@@ -1,7 +1,7 @@
 """Verify-length policies on the reference engine against plain decoding, side by side in one run.
 
 For each batch size B (concurrent requests), each drafter and each policy (fixed, exact, stale, auto),
-generate the same MT-Bench prompts and report throughput (tokens/s over the batch), its ratio to plain
+generate the same prompts (MT-Bench first turns; `--dataset`) and report throughput (tokens/s over the batch), its ratio to plain
 decoding of the same batch in the same round (median over `--repeats` interleaved rounds, with its
 range), the ratio of its median tok/s to plain's ("x med"), tau, drafted steps and verified draft tokens
 per step. The greedy outputs are checked against
@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-repeats", type=int, default=3)
     ap.add_argument("--sts", default=None)
     ap.add_argument("--batch-sizes", default="1,4,16,32")
-    ap.add_argument("--policies", default="fixed,stale,auto")
+    ap.add_argument("--policies", default="fixed,stale,auto",
+                    help="comma-separated: fixed, exact, stale, auto, auto-unguarded (auto without its realized-rate "
+                         "guard, scheduler/policy.py)")
+    ap.add_argument("--dataset", default="mtbench", help="prompt set (sglang_hspec/assets/prompts.py), e.g. gsm8k")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 on a shared box)")
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     sps_table = args.sps_table or profile_table(args, Path(args.out or "bench_policies.json").with_suffix(".sps.json"))
     adapter = load_target(args.target, dtype=args.dtype, batch_invariant=args.batch_invariant)
     drafters = {spec: load_drafter(spec, adapter) for spec in args.drafters.split(",")}
-    items = load_prompts("mtbench")
+    items = load_prompts(args.dataset)
     prompts = [chat_input_ids(adapter.tokenizer, it.messages(0)) for it in items]
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, ignore_eos=True,
                               seed=0)
@@ -161,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             engine = SpeculativeEngine(adapter, NoDrafter())
         else:
             drafter = drafters[spec]
-            policy, transform = make_policy(name, block_size=drafter.block_size, sps_table=sps_table, sts=args.sts)
+            unguarded = name == "auto-unguarded"
+            policy, transform = make_policy("auto" if unguarded else name, block_size=drafter.block_size,
+                                            sps_table=sps_table, sts=args.sts, guard=not unguarded)
             engine = SpeculativeEngine(adapter, drafter, policy=policy, confidence_transform=transform)
         t0 = time.perf_counter()
         res = engine.generate(batch, sampling)
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         r["x_plain_of_medians"] = r["throughput_tok_s"] / plain_median[r["batch"]]
     print(f"\n{cpu_description()} | torch threads {torch.get_num_threads()} | dtype {adapter.dtype}"
           f"{' batch-invariant' if adapter.batch_invariant else ''} | "
-          f"max_new_tokens {args.max_new_tokens} | T={args.temperature} | SPS table {sps_table} | "
+          f"{args.dataset} | max_new_tokens {args.max_new_tokens} | T={args.temperature} | SPS table {sps_table} | "
           f"median of {args.repeats} interleaved rounds "
           + ("(a seeded permutation per round)" if args.order == "shuffle" else "(odd rounds in reverse order)"))
     print(f"{'B':>4} {'drafter':<10} {'policy':<7} {'tok/s':>8} {'x plain':>8} {'(min-max)':>11} {'x med':>6} {'tau':>6} "
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"cpu": cpu_description(), "device": str(adapter.device), "dtype": str(adapter.dtype),
                        "batch_invariant": adapter.batch_invariant,
                        "threads": torch.get_num_threads(), "sps_table": sps_table, "repeats": args.repeats,
-                       "order": args.order,
+                       "order": args.order, "dataset": args.dataset,
                        "summary": summary, "rows": rows}, fh, indent=2)
     return 0
 

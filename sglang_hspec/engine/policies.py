@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 
 
-def make_policy(name: str, *, block_size: int, sps_table: str | None = None,
-                sts: str | None = None) -> tuple[Callable, Callable[[torch.Tensor], torch.Tensor]]:
+def make_policy(name: str, *, block_size: int, sps_table: str | None = None, sts: str | None = None,
+                guard: bool = True) -> tuple[Callable, Callable[[torch.Tensor], torch.Tensor]]:
     """(policy, confidence transform) for `SpeculativeEngine`.
 
     fixed: verify the whole proposal. exact: DSpark's Algorithm 1 with early stop on this step's
@@ -17,7 +17,8 @@ def make_policy(name: str, *, block_size: int, sps_table: str | None = None,
     auto: stale, plus the switch of scheduler/switch.py: decode plainly (no draft forward, anchor-only
     verify) whenever that is expected to be faster, probing now and then. The transform turns raw
     confidence logits [B, block_size] into per-slot probabilities (sigmoid, or the STS-calibrated
-    sigmoid(z / T_j))."""
+    sigmoid(z / T_j)). guard (auto only): correct the switch by the rates this engine realizes
+    (scheduler/policy.py, AutoPolicy); off, its decisions depend on the table and estimates alone."""
     from sglang_hspec.calibration.sts import calibrated_confidence, load_sts
 
     temperatures = load_sts(sts, block_size=block_size) if sts is not None else None
@@ -37,7 +38,7 @@ def make_policy(name: str, *, block_size: int, sps_table: str | None = None,
 
     table = load_sps_table(sps_table)
     if name == "auto":
-        return AutoEngineAdapter(AutoPolicy(table, lag=2), block_size=block_size), transform
+        return AutoEngineAdapter(AutoPolicy(table, lag=2, guard=guard), block_size=block_size), transform
     planner = ExactPolicy(table) if name == "exact" else StalePolicy(table, lag=2)
 
     def scheduled(*, confidences, proposal_lengths, row_ids, generations):

@@ -272,6 +272,70 @@ def test_auto_policy_speculates_every_step_when_drafts_pay():
     assert policy.stats().total_budget == 1 + 28 * 3
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_auto_timed(policy: AutoPolicy, clock: FakeClock, *, steps: int, k: int, accept: int,
+                   spec_seconds=None) -> str:
+    """run_auto for one request, each step taking time on `clock`: a plain step 1 / plain rate as
+    predicted, a speculative step its tokens at the predicted rate (or `spec_seconds`), a probe 1 s."""
+    slots, gens = torch.arange(1), torch.zeros(1, dtype=torch.long)
+    trace = []
+    for _ in range(steps):
+        decision, rows = policy.decide(slot_ids=slots, generations=gens)
+        tokens = 1
+        if decision.speculate:
+            conf = torch.full((1, k), 0.9)
+            lengths = policy.plan(confidences=conf, slot_ids=slots[rows], generations=gens[rows])
+            accepted = lengths.clamp_max(accept)
+            policy.observe(slot_ids=slots[rows], generations=gens[rows], confidences=conf, verify_lengths=lengths,
+                           num_accepted=accepted)
+            tokens += int(accepted.sum())
+        if decision.probe:
+            clock.now += 1.0
+        elif decision.speculate:
+            clock.now += spec_seconds if spec_seconds is not None else tokens / decision.spec_tokens_per_sec
+        else:
+            clock.now += 1 / decision.plain_tokens_per_sec
+        trace.append("P" if decision.probe else ("S" if decision.speculate else "."))
+    return "".join(trace)
+
+
+def test_auto_guard_keeps_decisions_where_the_engine_realizes_the_predicted_rates():
+    table = cost_table([10, 9.5, 9, 8.5, 8, 7.5, 7, 6.5], plain=[10], draft=[0.01])
+    clock = FakeClock()
+    policy = AutoPolicy(table, lag=2, probe_rows=1, guard=True, clock=clock)
+    assert run_auto_timed(policy, clock, steps=30, k=3, accept=3) == "P." + "S" * 28  # as without the guard
+    assert policy.guard_spec == pytest.approx(1.0) and policy.guard_plain == pytest.approx(1.0)
+
+
+def test_auto_guard_switches_off_speculation_that_loses_in_wall_time():
+    # the table and the estimates say speculating pays (4 tokens at ~31 tok/s against 10 tok/s plain), but on
+    # this machine a speculative step takes 0.5 s: 8 tok/s, slower than plain decoding
+    table = cost_table([10, 9.5, 9, 8.5, 8, 7.5, 7, 6.5], plain=[10], draft=[0.01])
+    blind = AutoPolicy(table, lag=2, probe_rows=1)
+    assert run_auto(blind, steps=100, n=1, k=3, confidence=0.9, accept=3) == "P." + "S" * 98
+    clock = FakeClock()
+    policy = AutoPolicy(table, lag=2, probe_rows=1, guard=True, clock=clock)
+    trace = run_auto_timed(policy, clock, steps=100, k=3, accept=3, spec_seconds=0.5)
+    first_plain = trace.index(".", 2)
+    # each speculative step commits 4 tokens where ~15.6 were predicted: g_spec ~ (4m + 16) / (15.6m + 16)
+    # falls below 10.5 / 31.1 after ~10 of them; then plain decoding, probing now and then
+    assert trace[:2] == "P." and set(trace[2:first_plain]) == {"S"} and 8 <= first_plain - 2 <= 13
+    assert set(trace[first_plain:]) <= {".", "P"}
+    assert policy.guard_spec < 10.5 / 31.1
+    assert policy.guard_plain == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="guard_prior"):
+        AutoPolicy(table, guard=True, guard_prior=0.0)
+    with pytest.raises(ValueError, match="guard_decay"):
+        AutoPolicy(table, guard=True, guard_decay=1.5)
+
+
 def test_auto_policy_uses_information_exactly_lag_steps_old():
     table = cost_table([10, 9.5, 9, 8.5], plain=[10], draft=[0.0])
     for lag in (1, 2, 3):
