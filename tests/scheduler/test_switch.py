@@ -235,17 +235,30 @@ def test_sglang_loader_reads_the_extended_table(tmp_path):
 # ---- AutoPolicy --------------------------------------------------------------------------------
 
 
-def run_auto(policy: AutoPolicy, *, steps: int, n: int, k: int, confidence: float, accept: int):
-    """Drive the policy like an engine; every drafted row keeps `accept` drafts (capped by its length)."""
+def run_auto(policy: AutoPolicy, *, steps: int, n: int, k: int, confidence: float, accept: int, clock=None,
+             spec_seconds=None):
+    """Drive the policy like an engine; every drafted row keeps `accept` drafts (capped by its length).
+    With a `clock` (FakeClock) each step also takes time on it: a plain step 1 / plain rate as predicted, a
+    speculative step its tokens at the predicted rate (or `spec_seconds`), a probe 1 s."""
     slots, gens = torch.arange(n), torch.zeros(n, dtype=torch.long)
     trace = []
     for _ in range(steps):
         decision, rows = policy.decide(slot_ids=slots, generations=gens)
+        tokens = n
         if decision.speculate:
             conf = torch.full((rows.numel(), k), confidence)
             lengths = policy.plan(confidences=conf, slot_ids=slots[rows], generations=gens[rows])
+            accepted = lengths.clamp_max(accept)
             policy.observe(slot_ids=slots[rows], generations=gens[rows], confidences=conf, verify_lengths=lengths,
-                           num_accepted=lengths.clamp_max(accept))
+                           num_accepted=accepted)
+            tokens += int(accepted.sum())
+        if clock is not None:
+            if decision.probe:
+                clock.now += 1.0
+            elif decision.speculate:
+                clock.now += spec_seconds if spec_seconds is not None else tokens / decision.spec_tokens_per_sec
+            else:
+                clock.now += n / decision.plain_tokens_per_sec
         trace.append("P" if decision.probe else ("S" if decision.speculate else "."))
     return "".join(trace)
 
@@ -280,37 +293,11 @@ class FakeClock:
         return self.now
 
 
-def run_auto_timed(policy: AutoPolicy, clock: FakeClock, *, steps: int, k: int, accept: int,
-                   spec_seconds=None) -> str:
-    """run_auto for one request, each step taking time on `clock`: a plain step 1 / plain rate as
-    predicted, a speculative step its tokens at the predicted rate (or `spec_seconds`), a probe 1 s."""
-    slots, gens = torch.arange(1), torch.zeros(1, dtype=torch.long)
-    trace = []
-    for _ in range(steps):
-        decision, rows = policy.decide(slot_ids=slots, generations=gens)
-        tokens = 1
-        if decision.speculate:
-            conf = torch.full((1, k), 0.9)
-            lengths = policy.plan(confidences=conf, slot_ids=slots[rows], generations=gens[rows])
-            accepted = lengths.clamp_max(accept)
-            policy.observe(slot_ids=slots[rows], generations=gens[rows], confidences=conf, verify_lengths=lengths,
-                           num_accepted=accepted)
-            tokens += int(accepted.sum())
-        if decision.probe:
-            clock.now += 1.0
-        elif decision.speculate:
-            clock.now += spec_seconds if spec_seconds is not None else tokens / decision.spec_tokens_per_sec
-        else:
-            clock.now += 1 / decision.plain_tokens_per_sec
-        trace.append("P" if decision.probe else ("S" if decision.speculate else "."))
-    return "".join(trace)
-
-
 def test_auto_guard_keeps_decisions_where_the_engine_realizes_the_predicted_rates():
     table = cost_table([10, 9.5, 9, 8.5, 8, 7.5, 7, 6.5], plain=[10], draft=[0.01])
     clock = FakeClock()
     policy = AutoPolicy(table, lag=2, probe_rows=1, guard=True, clock=clock)
-    assert run_auto_timed(policy, clock, steps=30, k=3, accept=3) == "P." + "S" * 28  # as without the guard
+    assert run_auto(policy, steps=30, n=1, k=3, confidence=0.9, accept=3, clock=clock) == "P." + "S" * 28  # as without the guard
     assert policy.guard_spec == pytest.approx(1.0) and policy.guard_plain == pytest.approx(1.0)
 
 
@@ -322,7 +309,8 @@ def test_auto_guard_switches_off_speculation_that_loses_in_wall_time():
     assert run_auto(blind, steps=100, n=1, k=3, confidence=0.9, accept=3) == "P." + "S" * 98
     clock = FakeClock()
     policy = AutoPolicy(table, lag=2, probe_rows=1, guard=True, clock=clock)
-    trace = run_auto_timed(policy, clock, steps=100, k=3, accept=3, spec_seconds=0.5)
+    trace = run_auto(policy, steps=100, n=1, k=3, confidence=0.9, accept=3, clock=clock,
+                     spec_seconds=0.5)
     first_plain = trace.index(".", 2)
     # each speculative step commits 4 tokens where ~15.6 were predicted: g_spec ~ (4m + 16) / (15.6m + 16)
     # falls below 10.5 / 31.1 after ~10 of them; then plain decoding, probing now and then
