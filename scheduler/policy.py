@@ -227,19 +227,12 @@ class AutoPolicy(_SpsPolicy):
     (requests served one at a time) takes a running mean of earlier requests' matured confidences.
     The audit forgets with `audit_decay` per observed step (recent acceptance counts most).
 
-    `guard=True` closes the loop on what the switch is for, tokens per second. The table and the
-    survival estimates can both be off (a table profiled on random tokens, a noisy probe, stale estimates
-    that overshoot), and the switch then speculates where it loses. So each step's wall time (decide
-    to next decide, on `clock`) and committed tokens are kept per kind of step, speculative or plain:
-    the tokens it committed, and the tokens the switch's predicted rate would have committed in that
-    time (bounded to [1/4, 4] x the committed ones, so that a step that also ran a prefill cannot swing
-    it). g = (committed + guard_prior) / (predicted + guard_prior), a kind's sums decayed by `guard_decay`
-    per step of that kind (an audit of the rate, as `audit_ratios` audits acceptance), and the switch
-    compares the corrected rates: speculate iff g_spec x spec > (1 + margin) x g_plain x plain. Probe
-    steps feed neither (their shape is not the switch's). Once speculation is off g_spec stays: it is the
-    bias of this machinery on this machine, and speculation comes back when the estimates rise past it
-    (a g_spec drifting back to 1 instead retried every few steps and lost each time). Timings only change
-    which tokens are verified, never which are accepted."""
+    `guard=True` closes the loop on what the switch is for, tokens per second (`switch.RateGuard`): each
+    step's wall time (decide to next decide, on `clock`) and committed tokens are kept per kind of step, an
+    audit of the rate as `audit_ratios` audits acceptance, and the switch compares the corrected rates:
+    speculate iff g_spec x spec > (1 + margin) x g_plain x plain, g = (committed + guard_prior) / (predicted +
+    guard_prior) with sums decayed by `guard_decay`. Timings only change which tokens are verified, never
+    which are accepted."""
 
     name = "auto"
 
@@ -272,13 +265,10 @@ class AutoPolicy(_SpsPolicy):
         self.lag, self.margin, self.probe_rows = lag, margin, probe_rows
         self.initial_interval, self.max_interval = probe_interval, max_probe_interval
         self.audit_prior, self.audit_decay = audit_prior, audit_decay
-        if guard_prior <= 0 or not 0 < guard_decay <= 1:
-            raise ValueError(f"need guard_prior > 0 and 0 < guard_decay <= 1, got {guard_prior}, {guard_decay}")
-        self.guard, self.guard_prior, self.guard_decay, self._clock_fn = guard, guard_prior, guard_decay, clock
-        # per kind ('spec', 'plain'): [tokens committed, tokens the predicted rate would have committed]
-        self._guard_sums = {"spec": [0.0, 0.0], "plain": [0.0, 0.0]}
-        # the step decided last: [start time, kind ('spec', 'plain', 'probe'), predicted tok/s, tokens or None]
-        self._guard_step: list | None = None
+        self.guard = guard
+        # the realized-rate audit; its tokens arrive before the next decide (observe), so token_lag=0
+        self._rate_guard = switch.RateGuard(prior=guard_prior, decay=guard_decay, token_lag=0, clock=clock)
+        self._guard_step: list | None = None  # the handle of the step decided last
         self.probe_interval = probe_interval
         self.last_decision: switch.SpeculationDecision | None = None
         self._k: int | None = None
@@ -378,7 +368,8 @@ class AutoPolicy(_SpsPolicy):
             best_n, best_rate = 0, 0.0
         plain_rate = n * self.costs.plain_steps_per_sec(n) if n else 0.0
         if self.guard:
-            self._guard_fold()
+            self._guard_step = None
+            self._rate_guard.end()
         if n:
             decision = switch.decision_from_best(
                 num_reqs=n, best_n=best_n, best_rate=best_rate * self.guard_spec,
@@ -389,7 +380,9 @@ class AutoPolicy(_SpsPolicy):
         if self.guard:
             kind = "probe" if decision.probe else ("spec" if decision.speculate else "plain")
             predicted = best_rate if kind == "spec" else plain_rate
-            self._guard_step = [self._clock_fn(), kind, predicted, n if kind == "plain" else None] if n else None
+            if n:
+                self._guard_step = self._rate_guard.begin(kind=kind, predicted_rate=predicted,
+                                                          tokens=n if kind == "plain" else None)
         self.probe_interval = switch.next_probe_interval(decision=decision, probe_interval=self.probe_interval,
                                                          initial=self.initial_interval, maximum=self.max_interval)
         if decision.probe:  # the rows whose information is oldest (never drafted first), then lower index
@@ -411,34 +404,15 @@ class AutoPolicy(_SpsPolicy):
         self._unknown += n - num_known
         return decision, rows
 
-    def _guard_ratio(self, kind: str) -> float:
-        committed, predicted = self._guard_sums[kind]
-        return (committed + self.guard_prior) / (predicted + self.guard_prior)
-
     @property
     def guard_spec(self) -> float:
         """Realized / predicted rate of speculative steps (1: nothing measured)."""
-        return self._guard_ratio("spec")
+        return self._rate_guard.scale("spec")
 
     @property
     def guard_plain(self) -> float:
         """Realized / predicted rate of plain steps (1: nothing measured)."""
-        return self._guard_ratio("plain")
-
-    def _guard_fold(self) -> None:
-        """The step decided last ended now: add it to its kind's sums, decayed."""
-        last = self._guard_step
-        self._guard_step = None
-        if last is None:
-            return
-        start, kind, predicted, tokens = last
-        seconds = self._clock_fn() - start
-        if kind == "probe" or tokens is None or predicted <= 0 or seconds <= 0:
-            return
-        sums = self._guard_sums[kind]
-        sums[0] = self.guard_decay * sums[0] + tokens
-        sums[1] *= self.guard_decay
-        sums[1] += min(4.0 * tokens, max(0.25 * tokens, seconds * predicted))
+        return self._rate_guard.scale("plain")
 
     def _rows_upto(self, n: int) -> torch.Tensor:
         """torch.arange(n), from a cache (one torch op costs as much as several numpy steps here)."""
@@ -503,7 +477,7 @@ class AutoPolicy(_SpsPolicy):
         self._pending_audit.append((self._clock - 1, acc, pred))
         last = self._guard_step
         if last is not None and last[1] == "spec":  # every row drafted: one token each plus the accepted drafts
-            last[3] = int(self.last_decision.draft_rows) + int(num_accepted.sum())
+            switch.RateGuard.set_tokens(last, int(self.last_decision.draft_rows) + int(num_accepted.sum()))
 
     def stats(self) -> PolicyStats:
         return msgspec.structs.replace(super().stats(), speculative_steps=self._spec_steps, probes=self._probes)

@@ -41,6 +41,8 @@ speculative step come from `planner.topk_lengths`, which stays on the device wit
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -296,6 +298,90 @@ def next_probe_interval(*, decision: SpeculationDecision, probe_interval: int, i
     if decision.speculate:
         return initial
     return probe_interval
+
+
+class RateGuard:
+    """The switch's realized-rate audit (host state, keyword-only calls): per kind of step, speculative or
+    plain, the tokens committed against the tokens the switch's predicted rate would have committed in the
+    step's wall time. The table and the survival estimates can both be off (a table profiled on random tokens,
+    a noisy probe, stale estimates that overshoot), and the switch then speculates where it loses; this closes
+    the loop on what the switch is for, tokens per second.
+
+    A step runs from one `begin` to the next `begin` (or `end`) on `clock`: under overlap scheduling that is
+    the pipeline's step period. Its tokens may arrive later than its end (`set_tokens`, e.g. once an
+    asynchronous device-to-host copy has landed): an ended step waits while fewer than `token_lag` later
+    steps have ended, and is dropped after. Its predicted tokens are bounded to [1/4, 4] x the committed ones, so that a step
+    that also ran a prefill cannot swing the sums; `interrupt` drops the open step outright (a prefill ran
+    between two decode steps). Probe steps feed neither kind (their shape is not the switch's).
+
+        scale(kind) = (committed + prior) / (predicted + prior)   sums decayed by `decay` per step of that kind
+
+    and the switch compares scale('spec') x spec against (1 + margin) x scale('plain') x plain. Once
+    speculation is off scale('spec') stays: it is the bias of this machinery on this machine, and speculation
+    comes back when the estimates rise past it (a scale drifting back to 1 retried every few steps and lost
+    each time). Timings only change which tokens are verified, never which are accepted."""
+
+    KINDS = ("spec", "plain", "probe")
+
+    def __init__(self, *, prior: float = 16.0, decay: float = 0.97, token_lag: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if not prior > 0 or not 0 < decay <= 1 or token_lag < 0:
+            raise ValueError(f"need guard_prior > 0, 0 < guard_decay <= 1 and token_lag >= 0; got {prior}, {decay}, "
+                             f"{token_lag}")
+        self.prior, self.decay, self.token_lag, self.clock = float(prior), float(decay), int(token_lag), clock
+        self._sums = {"spec": [0.0, 0.0], "plain": [0.0, 0.0]}  # [committed, predicted] per kind
+        self._open: list | None = None  # [start, kind, predicted tok/s, tokens or None, seconds, end number]
+        self._ended: deque = deque()  # steps ended, waiting for their tokens
+        self._ends = 0  # steps ended so far
+
+    def begin(self, *, kind: str, predicted_rate: float, tokens: int | None = None) -> list:
+        """Ends the open step and opens one of `kind` whose predicted rate is `predicted_rate` tokens/s;
+        the handle is what `set_tokens` takes."""
+        if kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        now = self.clock()
+        self._end(now)
+        self._open = [now, kind, float(predicted_rate), tokens, None, None]
+        return self._open
+
+    def end(self) -> None:
+        """Ends the open step (if any) now, and folds what can be folded."""
+        self._end(self.clock())
+
+    def interrupt(self) -> None:
+        """Drops the open step: something else ran in its wall time."""
+        self._open = None
+
+    @staticmethod
+    def set_tokens(step: list, tokens: int) -> None:
+        step[3] = int(tokens)
+
+    def scale(self, kind: str) -> float:
+        """Realized / predicted rate of `kind` steps (1: nothing measured)."""
+        self._fold()
+        committed, predicted = self._sums[kind]
+        return (committed + self.prior) / (predicted + self.prior)
+
+    def _end(self, now: float) -> None:
+        step, self._open = self._open, None
+        if step is not None:
+            step[4], step[5] = now - step[0], self._ends
+            self._ends += 1
+            self._ended.append(step)
+        self._fold()
+
+    def _fold(self) -> None:
+        ended = self._ended
+        while ended:
+            _, kind, predicted, tokens, seconds, ended_at = ended[0]
+            if tokens is None and kind != "probe" and self._ends - 1 - ended_at < self.token_lag:
+                return  # fewer than token_lag steps have ended since: its tokens may still come
+            ended.popleft()
+            if kind == "probe" or tokens is None or predicted <= 0 or seconds <= 0:
+                continue
+            sums = self._sums[kind]
+            sums[0] = self.decay * sums[0] + tokens
+            sums[1] = self.decay * sums[1] + min(4.0 * tokens, max(0.25 * tokens, seconds * predicted))
 
 
 # ---- plain-Python references -------------------------------------------------------------------

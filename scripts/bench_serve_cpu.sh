@@ -8,7 +8,9 @@
 #                 (HSPEC_AUTO_PROFILE_SPS=1, cached under $HSPEC_CACHE_DIR/sps) and the shipped STS file
 #   HSPEC+auto    HSPEC+SPS with HSPEC_SPECULATION=auto: steps where plain decoding is faster skip the drafter
 #                 (verify the anchor only), probing now and then; its table also has plain-decode probes
-#                 (the first launch profiles a second, never-drafting server for them)
+#                 (the first launch profiles a second, never-drafting server for them); its switch corrects
+#                 the predicted rates by the realized ones (HSPEC_SPECULATION_GUARD, on by default)
+#   HSPEC+auto-unguarded   HSPEC+auto with HSPEC_SPECULATION_GUARD=0 (the table and the estimates alone)
 # The servers run side by side but the benchmark drives one at a time; --sleep-on-idle keeps the idle ones
 # off the cores (SGLang's scheduler loop otherwise polls at full speed). MT-Bench closed loop; the first
 # server named is the baseline of the 'vs' column.
@@ -66,7 +68,10 @@ for name in "${names[@]}"; do
                  HSPEC_AUTO_PROFILE_SPS=1 "${profile_env[@]}" -- "${spec[@]}" "${sts[@]}" ;;
     HSPEC+auto) launch HSPEC_auto $port sglang_cpu_testing,hspec SGLANG_RAGGED_VERIFY_MODE=compact \
                   HSPEC_AUTO_PROFILE_SPS=1 HSPEC_SPECULATION=auto "${profile_env[@]}" -- "${spec[@]}" "${sts[@]}" ;;
-    *) echo "unknown server $name (none, HSPEC, HSPEC+SPS, HSPEC+auto)"; exit 2 ;;
+    HSPEC+auto-unguarded) launch HSPEC_auto_unguarded $port sglang_cpu_testing,hspec SGLANG_RAGGED_VERIFY_MODE=compact \
+                  HSPEC_AUTO_PROFILE_SPS=1 HSPEC_SPECULATION=auto HSPEC_SPECULATION_GUARD=0 "${profile_env[@]}" -- \
+                  "${spec[@]}" "${sts[@]}" ;;
+    *) echo "unknown server $name (none, HSPEC, HSPEC+SPS, HSPEC+auto, HSPEC+auto-unguarded)"; exit 2 ;;
   esac
   compare+=("$name=http://127.0.0.1:$port")
 done

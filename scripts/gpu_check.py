@@ -229,6 +229,33 @@ def planner_case(device="cuda"):
     return {"topk_mismatched_cases": float(mismatches), "cases": cases}
 
 
+def readback_case(device="cuda"):
+    """The auto switch's read-back of the tokens a drafting step committed (sglang_plugin/readback.py) on CUDA:
+    pushing device sums never syncs the host (sync debug mode 'error' raises on any read-back), and every sum
+    comes back right and in push order once its copy has landed."""
+    from sglang_hspec.sglang_plugin.readback import AsyncSums
+
+    gen = torch.Generator().manual_seed(6)
+    values = [torch.randint(1, 9, (n,), generator=gen, dtype=torch.int32) for n in (1, 4, 16, 32, 3, 7)]
+    on_device = [v.to(device) for v in values]
+    sums = AsyncSums(capacity=8)
+    got = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i, v in enumerate(on_device):
+            torch.cuda._sleep(2_000_000)  # keep the stream busy: the copy cannot have landed at push time
+            sums.push(i, v)
+            got += sums.ready()
+        early = len(got)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    got += sums.ready()
+    want = [(i, int(v.sum())) for i, v in enumerate(values)]
+    return {"readback_mismatch": float(got != want), "ready_before_sync": early, "sums": len(got)}
+
+
 # ---- bf16 greedy identity (docs/results.md, "bf16 greedy identity"); owner of this item: the target adapter
 def batch_invariance_case(device="cuda"):
     """Reference engine's batch-invariant target on CUDA, bf16: an 8-token verify forward against 8 one-token
@@ -342,6 +369,7 @@ def checks_plan(available: dict[str, bool]) -> list[tuple[str, object]]:
         plan.append((f"drafter_train_{dtype}", lambda d=dtype: drafter_train_case(d)))
     plan.append(("cuda_graph_propose_fp32", lambda: graph_case(available)))
     plan.append(("planner_topk_fp32", planner_case))
+    plan.append(("readback_no_sync", readback_case))
     plan.append(("target_batch_invariance", batch_invariance_case))
     plan.append(("continuous_decoder_fp64", continuous_decoder_case))
     return plan + ssd_cases(SSD_SHAPES[1:])

@@ -7,6 +7,10 @@
   SGLANG_RAGGED_VERIFY_MODE=compact and such a table (`HSPEC_AUTO_PROFILE_SPS=1` profiles one);
 - `never`: no step drafts (anchor-only verify): what the auto-profile measures plain decode steps with.
 
+`HSPEC_SPECULATION_GUARD` (auto only; `1`, the default, or `0`): correct the switch's predicted rates by the
+rates the server realizes (`sglang_hspec.scheduler.switch.RateGuard`); `0` trusts the table and the stale
+estimates alone (for side-by-side benchmarks of the guard).
+
 Read in the launcher (launch checks: sps_cache.py) and in the scheduler process (the worker); set it in the
 launcher's environment, which the scheduler inherits.
 """
@@ -17,6 +21,7 @@ import os
 
 POLICY_ENV = "HSPEC_SPECULATION"
 POLICIES = ("always", "auto", "never")
+GUARD_ENV = "HSPEC_SPECULATION_GUARD"
 
 
 def speculation_policy(environ=None) -> str:
@@ -30,4 +35,15 @@ def speculation_policy(environ=None) -> str:
     return value
 
 
-__all__ = ["POLICIES", "POLICY_ENV", "speculation_policy"]
+def speculation_guard(environ=None) -> bool:
+    """Whether `auto` audits its realized rates (`HSPEC_SPECULATION_GUARD`, default on)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(GUARD_ENV)
+    value = (raw or "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{GUARD_ENV}={raw!r} is not 0 or 1; unset it (or 1) to correct the auto switch by the rates "
+                         "this server realizes, 0 to trust the SPS table and the stale estimates alone")
+    return value == "1"
+
+
+__all__ = ["GUARD_ENV", "POLICIES", "POLICY_ENV", "speculation_guard", "speculation_policy"]

@@ -31,6 +31,7 @@ Imports SGLang: imported only from the worker inside the scheduler process.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from sglang.srt.speculative.dspark_components.dspark_draft import (
@@ -46,6 +47,7 @@ from sglang.srt.speculative.dspark_components.dspark_planner import (
 )
 from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout, RaggedVerifyMode
 
+from .readback import AsyncSums
 from .speculation_policy import POLICIES
 
 logger = logging.getLogger(__name__)
@@ -177,15 +179,26 @@ class SpeculationSwitch:
     confidences of the batch's requests and the server's step costs, probing while off (the interval
     doubles from `initial_probe_interval` up to `max_probe_interval` while speculation keeps not paying).
     A probe drafts every request of the batch (one batched draft forward) and lets SGLang's planner choose
-    the verify lengths; its confidences reach the planner through SGLang's relay like any step's."""
+    the verify lengths; its confidences reach the planner through SGLang's relay like any step's.
+
+    `guard` (auto only): the switch's rates corrected by the rates this server realizes
+    (`sglang_hspec.scheduler.switch.RateGuard`, as the reference engine's `auto` policy does): a step runs
+    from one decision to the next, a plain step commits one token per request, a drafting step the sum of its
+    commit lengths (`note_committed`), read back without a device sync (`readback.AsyncSums`; a step waits
+    while fewer than `guard_token_lag` later steps have ended for its count).
+    `interrupt` drops the open step when a prefill or idle step ran inside it."""
 
     def __init__(self, *, policy: str, costs, block_size: int, req_pool_size: int, min_survival: float,
-                 margin: float = 0.05, initial_probe_interval: int = 4, max_probe_interval: int = 256):
+                 margin: float = 0.05, initial_probe_interval: int = 4, max_probe_interval: int = 256,
+                 guard: bool = True, guard_prior: float = 16.0, guard_decay: float = 0.97, guard_token_lag: int = 8,
+                 clock=time.perf_counter):
         if policy not in POLICIES:
             raise ValueError(f"unknown speculation policy {policy!r}; use one of {', '.join(POLICIES)}")
         if policy == "auto" and costs is None:
             raise ValueError("HSPEC_SPECULATION=auto needs the step costs of this server (an SPS table with plain-"
                              "decode probes)")
+        from sglang_hspec.scheduler.switch import RateGuard
+
         self.policy = policy
         self.costs = costs
         self.block_size = block_size
@@ -199,6 +212,10 @@ class SpeculationSwitch:
         self.ratios = torch.ones(block_size, dtype=torch.float64)
         self.last_decision = None
         self.counts = {"draft": 0, "probe": 0, "plain": 0}
+        self.guard = (RateGuard(prior=guard_prior, decay=guard_decay, token_lag=guard_token_lag, clock=clock)
+                      if guard and policy == "auto" else None)
+        self._guard_step: list | None = None  # the open step's handle
+        self._readback = AsyncSums(capacity=max(1, guard_token_lag))  # drafting steps' committed tokens
 
     def should_draft(self, *, rows: torch.Tensor, generation: torch.Tensor) -> bool:
         """Whether this step runs the drafter. `rows`: the batch's request slots (host), `generation`:
@@ -208,15 +225,37 @@ class SpeculationSwitch:
         if self.policy == "never":
             self.counts["plain"] += 1
             return False
-        from sglang_hspec.scheduler.switch import decide_speculation, estimated_survival, next_probe_interval
+        from sglang_hspec.scheduler.switch import (
+            decide_speculation,
+            decision_from_best,
+            estimated_survival,
+            next_probe_interval,
+        )
 
         confidence, known = self.stale.read(rows=rows, generation=generation)
         survival = estimated_survival(confidences=confidence, known=known, ratios=self.ratios)
+        num_reqs = int(rows.numel())
+        probe_rows = max(1, num_reqs)
         decision = decide_speculation(
             survival=survival, costs=self.costs, known_rows=int(known.sum()),
             steps_since_draft=self.steps_since_draft, probe_interval=self.probe_interval,
-            probe_rows=max(1, int(rows.numel())), margin=self.margin, min_survival=self.min_survival,
+            probe_rows=probe_rows, margin=self.margin, min_survival=self.min_survival,
         )
+        guard = self.guard
+        if guard is not None:
+            self._collect_tokens()
+            self._guard_step = None
+            guard.end()
+            predicted_spec, predicted_plain = decision.spec_tokens_per_sec, decision.plain_tokens_per_sec
+            if num_reqs:
+                decision = decision_from_best(
+                    num_reqs=num_reqs, best_n=decision.best_budget, best_rate=predicted_spec * guard.scale("spec"),
+                    plain_rate=predicted_plain * guard.scale("plain"), steps_since_draft=self.steps_since_draft,
+                    probe_interval=self.probe_interval, probe_rows=probe_rows, margin=self.margin)
+                kind = "probe" if decision.probe else "spec" if decision.speculate else "plain"
+                self._guard_step = guard.begin(
+                    kind=kind, predicted_rate=predicted_spec if kind == "spec" else predicted_plain,
+                    tokens=num_reqs if kind == "plain" else None)
         self.probe_interval = next_probe_interval(decision=decision, probe_interval=self.probe_interval,
                                                   initial=self.initial_probe_interval,
                                                   maximum=self.max_probe_interval)
@@ -224,6 +263,23 @@ class SpeculationSwitch:
         self.counts["probe" if decision.probe else "draft" if decision.speculate else "plain"] += 1
         self.last_decision = decision
         return decision.speculate
+
+    def note_committed(self, commit_lens: torch.Tensor) -> None:
+        """The tokens the drafting step just run commits per request ([bs], on its device), for the guard;
+        never waits for the device (readback.py)."""
+        step = self._guard_step
+        if self.guard is not None and step is not None and step[1] == "spec":
+            self._readback.push(step, commit_lens)
+
+    def interrupt(self) -> None:
+        """A step that is not a decode step (prefill, idle) ran: the open step's wall time is not its own."""
+        if self.guard is not None:
+            self.guard.interrupt()
+            self._guard_step = None
+
+    def _collect_tokens(self) -> None:
+        for step, tokens in self._readback.ready():
+            self.guard.set_tokens(step, tokens)
 
 
 __all__ = ["AnchorOnlyPlanner", "AnchorOnlyProposer", "RecordingBudgetPlanner", "SpeculationSwitch",

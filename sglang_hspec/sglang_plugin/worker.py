@@ -39,7 +39,7 @@ from sglang_hspec.model import hspec as _hspec_model
 
 from .context import ContextState, drafter_kv_bytes_saved, prefill_last_rows, verify_commit_rows
 from .plain_step import anchor_window, draw_anchor_bonus, plain_step_forward
-from .speculation_policy import speculation_policy
+from .speculation_policy import speculation_guard, speculation_policy
 from .speculation_switch import (
     AnchorOnlyPlanner,
     AnchorOnlyProposer,
@@ -236,12 +236,14 @@ class HSpecWorkerV2(DSparkWorkerV2):
             return None
         costs = step_costs(verify_num_draft_tokens=self.verify_num_draft_tokens) if policy == "auto" else None
         switch = SpeculationSwitch(policy=policy, costs=costs, block_size=self.gamma, req_pool_size=req_pool_size,
-                                   min_survival=self._verify_planner._schedule_cfg.survival_eps)
+                                   min_survival=self._verify_planner._schedule_cfg.survival_eps,
+                                   guard=speculation_guard())
         budget_planner = getattr(self._verify_planner, "_budget_planner", None)
         if budget_planner is not None:
             budget_planner.stale_confidences = switch.stale
         logger.info("HSPEC: speculation policy %s (HSPEC_SPECULATION): %s", policy,
-                    "decode without drafting where plain decoding is faster, probing while off" if policy == "auto"
+                    ("decode without drafting where plain decoding is faster, probing while off"
+                     + ("; rates audited by the realized ones" if switch.guard is not None else "")) if policy == "auto"
                     else "every decode step without drafting (anchor-only verify)")
         return switch
 
@@ -259,13 +261,18 @@ class HSpecWorkerV2(DSparkWorkerV2):
         if batch.forward_mode.is_idle() or coordination_plan is not None:
             if timer is not None:
                 timer.note_non_decode_step()
+            if self._switch is not None:
+                self._switch.interrupt()
             return super()._forward_decode(batch, on_publish, grammar_barrier, coordination_plan)
         draft = self._draft_this_step(batch)
         if timer is not None:
             timer.begin_step(kind="draft" if draft else "plain")
         try:
             if draft:
-                return super()._forward_decode(batch, on_publish, grammar_barrier, coordination_plan)
+                result = super()._forward_decode(batch, on_publish, grammar_barrier, coordination_plan)
+                if self._switch is not None:
+                    self._switch.note_committed(result.accept_lens)  # the guard's count, read back without a sync
+                return result
             fallback = self._plain_fallback_reason(batch)
             if fallback is None:
                 return self._forward_plain(batch, on_publish)
@@ -467,8 +474,11 @@ class HSpecWorkerV2(DSparkWorkerV2):
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, *, pp_proxy_tensors=None):
         timer = getattr(self, "_step_timer", None)
-        if timer is not None and (batch.forward_mode.is_extend() or batch.is_extend_in_batch):
-            timer.note_non_decode_step()
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            if timer is not None:
+                timer.note_non_decode_step()
+            if getattr(self, "_switch", None) is not None:
+                self._switch.interrupt()
         return super().forward_batch_generation(batch, on_publish, grammar_barrier,
                                                 pp_proxy_tensors=pp_proxy_tensors)
 

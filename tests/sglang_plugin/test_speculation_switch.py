@@ -204,3 +204,86 @@ def test_anchor_only_planner_layout_verifies_one_token_per_request():
     assert planner.should_run_compact(layout=layout) and planner.resolve_verify_token_budget(confidence=None) is None
     assert planner.schedule_layout(req_pool_indices=torch.arange(5), device=torch.device("cpu")) is layout  # cached
     assert planner.mode_value == "compact"  # everything else is the wrapped planner's
+
+
+# ---- the worker's switch and its realized-rate guard (needs SGLang) ----
+@pytest.mark.parametrize("raw, on", [(None, True), ("1", True), (" 0 ", False)])
+def test_guard_env_values(raw, on):
+    from sglang_hspec.sglang_plugin.speculation_policy import speculation_guard
+
+    assert speculation_guard({} if raw is None else {"HSPEC_SPECULATION_GUARD": raw}) is on
+
+
+def test_guard_env_typo_names_variable():
+    from sglang_hspec.sglang_plugin.speculation_policy import speculation_guard
+
+    with pytest.raises(ValueError, match=r"HSPEC_SPECULATION_GUARD='yes' is not 0 or 1"):
+        speculation_guard({"HSPEC_SPECULATION_GUARD": "yes"})
+
+
+def _drive_switch(switch, *, steps, clock, spec_seconds=None, committed=4):
+    """One request (slot 0, generation 1) whose stale confidences are 0.9 at every slot; a drafting step
+    commits `committed` tokens and takes `spec_seconds` (default: those tokens at the predicted rate), a plain
+    step one token at the predicted rate, a probe 1 s."""
+    rows, generation = torch.tensor([0]), torch.tensor([1])
+    switch.stale.write(rows=rows, confidence=torch.full((1, 7), 0.9), generation=generation,
+                       known=torch.tensor([True]))
+    trace = []
+    for _ in range(steps):
+        draft = switch.should_draft(rows=rows, generation=generation)
+        decision = switch.last_decision
+        if draft:
+            switch.note_committed(torch.tensor([committed], dtype=torch.int32))
+        if decision.probe:
+            clock.now += 1.0
+        elif draft:
+            clock.now += spec_seconds if spec_seconds is not None else committed / decision.spec_tokens_per_sec
+        else:
+            clock.now += 1 / decision.plain_tokens_per_sec
+        trace.append("P" if decision.probe else "S" if draft else ".")
+    return "".join(trace)
+
+
+def _switch_costs():
+    from sglang_hspec.scheduler.switch import StepCosts
+
+    table = SpsCostTable(sample_batch_tokens=list(range(1, 9)), sample_steps_per_sec=[10, 9.5, 9, 8.5, 8, 7.5, 7, 6.5],
+                         max_batch_tokens=8, plain_batch_sizes=[1], plain_steps_per_sec=[10.0], draft_seconds=[0.01])
+    return StepCosts(table)
+
+
+@pytest.mark.sglang
+def test_switch_guard_keeps_decisions_where_the_server_realizes_the_predicted_rates():
+    from sglang_hspec.sglang_plugin.speculation_switch import SpeculationSwitch
+
+    clock = _Clock()
+    kw = dict(policy="auto", costs=_switch_costs(), block_size=7, req_pool_size=4, min_survival=0.0)
+    blind = SpeculationSwitch(**kw, guard=False)
+    assert blind.guard is None and _drive_switch(blind, steps=40, clock=clock) == "S" * 40
+    guarded = SpeculationSwitch(**kw, clock=clock)
+    assert _drive_switch(guarded, steps=40, clock=clock) == "S" * 40
+    assert guarded.guard.scale("spec") == pytest.approx(1.0)
+
+
+@pytest.mark.sglang
+def test_switch_guard_turns_off_speculation_that_loses_in_wall_time():
+    from sglang_hspec.sglang_plugin.speculation_switch import SpeculationSwitch
+
+    # predicted: 1 + 0.9 + ... + 0.9^7 = 5.7 tokens in 0.01 + 1 / 6.5 s, 34.76 tok/s against 10 plain; on this
+    # server a drafting step takes 0.5 s for 4 tokens: 8 tok/s, slower than plain decoding
+    clock = _Clock()
+    switch = SpeculationSwitch(policy="auto", costs=_switch_costs(), block_size=7, req_pool_size=4, min_survival=0.0,
+                               clock=clock)
+    trace = _drive_switch(switch, steps=120, clock=clock, spec_seconds=0.5)
+    # each drafting step: 4 committed, 0.5 s x 34.76 = 17.4 predicted, bounded to 4 x 4 = 16. After s of them
+    # (all folded by the next decision: their counts are host tensors) the decayed count is m = 0.97 m + 1, and
+    # the switch drafts while (4m + 16) / (16m + 16) x 34.76 > 1.05 x 10
+    m, expected = 0.0, 0
+    rate = sum(0.9 ** j for j in range(8)) / (0.01 + 1 / 6.5)
+    while (4 * m + 16) / (16 * m + 16) * rate > 1.05 * 10:
+        m, expected = 0.97 * m + 1, expected + 1
+    assert expected == 17 and trace.index(".") == expected and set(trace[:expected]) == {"S"}
+    assert set(trace[expected:]) == {".", "P"} and switch.counts["plain"] > 90  # then plain, probing now and then
+    assert switch.guard.scale("spec") < 10.5 / rate and switch.guard.scale("plain") == pytest.approx(1.0)
+    switch.interrupt()  # a prefill: the open step is dropped, nothing folded
+    assert switch.guard.scale("plain") == pytest.approx(1.0)
