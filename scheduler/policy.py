@@ -381,7 +381,7 @@ class AutoPolicy(_SpsPolicy):
             kind = "probe" if decision.probe else ("spec" if decision.speculate else "plain")
             predicted = best_rate if kind == "spec" else plain_rate
             if n:
-                self._guard_step = self._rate_guard.begin(kind=kind, predicted_rate=predicted,
+                self._guard_step = self._rate_guard.begin(kind=kind, predicted_rate=predicted, num_reqs=n,
                                                           tokens=n if kind == "plain" else None)
         self.probe_interval = switch.next_probe_interval(decision=decision, probe_interval=self.probe_interval,
                                                          initial=self.initial_interval, maximum=self.max_interval)

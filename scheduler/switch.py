@@ -316,6 +316,10 @@ class RateGuard:
 
         scale(kind) = (committed + prior) / (predicted + prior)   sums decayed by `decay` per step of that kind
 
+    with both sums per request (a step's tokens divided by its requests), so that the prior and the decay weigh
+    steps whatever their batch: the noise of a step's wall time does not shrink with the batch (counted in
+    tokens, a step of 32 requests outweighed the prior alone and one noisy step could switch speculation off).
+
     and the switch compares scale('spec') x spec against (1 + margin) x scale('plain') x plain. Once
     speculation is off scale('spec') stays: it is the bias of this machinery on this machine, and speculation
     comes back when the estimates rise past it (a scale drifting back to 1 retried every few steps and lost
@@ -330,18 +334,20 @@ class RateGuard:
                              f"{token_lag}")
         self.prior, self.decay, self.token_lag, self.clock = float(prior), float(decay), int(token_lag), clock
         self._sums = {"spec": [0.0, 0.0], "plain": [0.0, 0.0]}  # [committed, predicted] per kind
-        self._open: list | None = None  # [start, kind, predicted tok/s, tokens or None, seconds, end number]
+        self._open: list | None = None  # [start, kind, predicted tok/s, tokens or None, seconds, end number, requests]
         self._ended: deque = deque()  # steps ended, waiting for their tokens
         self._ends = 0  # steps ended so far
 
-    def begin(self, *, kind: str, predicted_rate: float, tokens: int | None = None) -> list:
-        """Ends the open step and opens one of `kind` whose predicted rate is `predicted_rate` tokens/s;
-        the handle is what `set_tokens` takes."""
+    def begin(self, *, kind: str, predicted_rate: float, num_reqs: int, tokens: int | None = None) -> list:
+        """Ends the open step and opens one of `kind` over `num_reqs` requests whose predicted rate is
+        `predicted_rate` tokens/s; the handle is what `set_tokens` takes."""
         if kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
         now = self.clock()
         self._end(now)
-        self._open = [now, kind, float(predicted_rate), tokens, None, None]
+        if num_reqs < 1:
+            raise ValueError(f"num_reqs must be >= 1, got {num_reqs}")
+        self._open = [now, kind, float(predicted_rate), tokens, None, None, int(num_reqs)]
         return self._open
 
     def end(self) -> None:
@@ -373,15 +379,16 @@ class RateGuard:
     def _fold(self) -> None:
         ended = self._ended
         while ended:
-            _, kind, predicted, tokens, seconds, ended_at = ended[0]
+            _, kind, predicted, tokens, seconds, ended_at, num_reqs = ended[0]
             if tokens is None and kind != "probe" and self._ends - 1 - ended_at < self.token_lag:
                 return  # fewer than token_lag steps have ended since: its tokens may still come
             ended.popleft()
             if kind == "probe" or tokens is None or predicted <= 0 or seconds <= 0:
                 continue
             sums = self._sums[kind]
-            sums[0] = self.decay * sums[0] + tokens
-            sums[1] = self.decay * sums[1] + min(4.0 * tokens, max(0.25 * tokens, seconds * predicted))
+            expected = min(4.0 * tokens, max(0.25 * tokens, seconds * predicted))
+            sums[0] = self.decay * sums[0] + tokens / num_reqs
+            sums[1] = self.decay * sums[1] + expected / num_reqs
 
 
 # ---- plain-Python references -------------------------------------------------------------------

@@ -255,7 +255,7 @@ class SpeculationSwitch:
                 kind = "probe" if decision.probe else "spec" if decision.speculate else "plain"
                 self._guard_step = guard.begin(
                     kind=kind, predicted_rate=predicted_spec if kind == "spec" else predicted_plain,
-                    tokens=num_reqs if kind == "plain" else None)
+                    num_reqs=num_reqs, tokens=num_reqs if kind == "plain" else None)
         self.probe_interval = next_probe_interval(decision=decision, probe_interval=self.probe_interval,
                                                   initial=self.initial_probe_interval,
                                                   maximum=self.max_probe_interval)

@@ -328,34 +328,37 @@ def test_rate_guard_hand_computed():
     clock = FakeClock()
     guard = switch.RateGuard(prior=2.0, decay=0.5, token_lag=1, clock=clock)
     assert guard.scale("spec") == 1.0 and guard.scale("plain") == 1.0
-    s0 = guard.begin(kind="spec", predicted_rate=10.0)  # tokens come later (an asynchronous read-back)
+    s0 = guard.begin(kind="spec", predicted_rate=10.0, num_reqs=2)  # tokens come later (an asynchronous read-back)
     clock.now = 1.0
-    guard.begin(kind="plain", predicted_rate=4.0, tokens=2)  # s0 ended: 1 s, waits for its tokens
+    guard.begin(kind="plain", predicted_rate=4.0, num_reqs=2, tokens=2)  # s0 ended: 1 s, waits for its tokens
     assert guard.scale("spec") == 1.0
     guard.set_tokens(s0, 5)
     clock.now = 1.5
     guard.end()
-    # spec: 5 committed where 1 s x 10 tok/s = 10 were predicted; plain: 2 where 0.5 s x 4 = 2
-    assert guard.scale("spec") == pytest.approx((5 + 2) / (10 + 2))
+    # spec: 5 committed where 1 s x 10 tok/s = 10 were predicted, over 2 requests: 2.5 and 5 per request;
+    # plain: 2 where 0.5 s x 4 = 2
+    assert guard.scale("spec") == pytest.approx((2.5 + 2) / (5 + 2))
     assert guard.scale("plain") == pytest.approx(1.0)
     clock.now = 2.0
-    guard.begin(kind="spec", predicted_rate=10.0)  # its tokens never come
+    guard.begin(kind="spec", predicted_rate=10.0, num_reqs=1)  # its tokens never come
     clock.now = 4.0
-    guard.begin(kind="probe", predicted_rate=10.0)  # probes feed neither kind
+    guard.begin(kind="probe", predicted_rate=10.0, num_reqs=1)  # probes feed neither kind
     clock.now = 5.0
-    s4 = guard.begin(kind="spec", predicted_rate=100.0)  # the tokenless spec step has waited its one step: dropped
-    assert guard.scale("spec") == pytest.approx(7 / 12)
+    s4 = guard.begin(kind="spec", predicted_rate=100.0, num_reqs=1)  # the tokenless spec step has waited its one step: dropped
+    assert guard.scale("spec") == pytest.approx(4.5 / 7)
     guard.set_tokens(s4, 3)
     clock.now = 10.0
     guard.end()  # 5 s x 100 tok/s = 500 predicted, bounded to 4 x 3 = 12
-    assert guard.scale("spec") == pytest.approx((0.5 * 5 + 3 + 2) / (0.5 * 10 + 12 + 2))
-    guard.begin(kind="plain", predicted_rate=4.0, tokens=1)
+    assert guard.scale("spec") == pytest.approx((0.5 * 2.5 + 3 + 2) / (0.5 * 5 + 12 + 2))
+    guard.begin(kind="plain", predicted_rate=4.0, num_reqs=1, tokens=1)
     guard.interrupt()  # a prefill ran inside it
     clock.now = 20.0
     guard.end()
     assert guard.scale("plain") == pytest.approx(1.0)
     with pytest.raises(ValueError, match="kind"):
-        guard.begin(kind="draft", predicted_rate=1.0)
+        guard.begin(kind="draft", predicted_rate=1.0, num_reqs=1)
+    with pytest.raises(ValueError, match="num_reqs"):
+        guard.begin(kind="spec", predicted_rate=1.0, num_reqs=0)
     with pytest.raises(ValueError, match="token_lag"):
         switch.RateGuard(token_lag=-1)
 
