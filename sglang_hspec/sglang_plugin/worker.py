@@ -252,6 +252,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
             return True
         rows = batch.req_pool_indices_cpu
         if rows is None:
+            self._switch.interrupt()  # a step the switch did not decide: the guard times none of it
             return True  # no host copy of the slots: deciding would need a device read-back
         generation = self.model_runner.req_to_token_pool.req_generation[rows.to(torch.long)]
         return self._switch.should_draft(rows=rows, generation=generation)
