@@ -310,17 +310,16 @@ class RateGuard:
     A step runs from one `begin` to the next `begin` (or `end`) on `clock`: under overlap scheduling that is
     the pipeline's step period. Its tokens may arrive later than its end (`set_tokens`, e.g. once an
     asynchronous device-to-host copy has landed): an ended step waits while fewer than `token_lag` later
-    steps have ended, and is dropped after. Its predicted tokens are bounded to [1/4, 4] x the committed ones, so that a step
-    that also ran a prefill cannot swing the sums; `interrupt` drops the open step outright (a prefill ran
-    between two decode steps). Probe steps feed neither kind (their shape is not the switch's).
+    steps have ended, and is dropped after. Its predicted tokens are bounded to [1/4, 4] x the committed ones,
+    so that a step that also ran a prefill cannot swing the sums; `interrupt` drops the open step outright (a
+    prefill ran between two decode steps). Probe steps feed neither kind (their shape is not the switch's).
 
         scale(kind) = (committed + prior) / (predicted + prior)   sums decayed by `decay` per step of that kind
 
-    with both sums per request (a step's tokens divided by its requests), so that the prior and the decay weigh
-    steps whatever their batch: the noise of a step's wall time does not shrink with the batch (counted in
-    tokens, a step of 32 requests outweighed the prior alone and one noisy step could switch speculation off).
-
-    and the switch compares scale('spec') x spec against (1 + margin) x scale('plain') x plain. Once
+    and the switch compares scale('spec') x spec against (1 + margin) x scale('plain') x plain. Both sums are
+    per request (a step's tokens divided by its requests), so that the prior and the decay weigh steps whatever
+    their batch: the noise of a step's wall time does not shrink with the batch (counted in tokens, a step of
+    32 requests outweighed the prior alone and one noisy step could switch speculation off). Once
     speculation is off scale('spec') stays: it is the bias of this machinery on this machine, and speculation
     comes back when the estimates rise past it (a scale drifting back to 1 retried every few steps and lost
     each time). Timings only change which tokens are verified, never which are accepted."""
@@ -343,10 +342,10 @@ class RateGuard:
         `predicted_rate` tokens/s; the handle is what `set_tokens` takes."""
         if kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
-        now = self.clock()
-        self._end(now)
         if num_reqs < 1:
             raise ValueError(f"num_reqs must be >= 1, got {num_reqs}")
+        now = self.clock()
+        self._end(now)
         self._open = [now, kind, float(predicted_rate), tokens, None, None, int(num_reqs)]
         return self._open
 
