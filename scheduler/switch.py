@@ -175,6 +175,8 @@ def decide_speculation(
     probe_rows: int = 4,
     margin: float = 0.05,
     min_survival: float = 0.0,
+    spec_scale: float = 1.0,
+    plain_scale: float = 1.0,
 ) -> SpeculationDecision:
     """One step's switch over N requests (see the module docstring for the rule).
 
@@ -183,7 +185,9 @@ def decide_speculation(
     is known yet: decode plainly, probe when due); steps_since_draft: steps since any request was
     last drafted (a large number before the first draft); probe_interval >= 1; probe_rows >= 1;
     margin >= 0: how much faster speculation must look before it is chosen; min_survival: candidates
-    below it (or NaN) are never counted (SGLang's survival_eps)."""
+    below it (or NaN) are never counted (SGLang's survival_eps); spec_scale, plain_scale > 0: the
+    realized-rate corrections (`RateGuard.scale`) both rates are multiplied by before they are compared
+    (the decision's rates are the scaled ones; the argmax n* does not depend on them)."""
     if survival.dim() != 2:
         raise ValueError(f"survival must be [N, k], got shape {tuple(survival.shape)}")
     if survival.device.type != "cpu":
@@ -192,15 +196,17 @@ def decide_speculation(
     if probe_interval < 1 or probe_rows < 1 or margin < 0:
         raise ValueError(f"need probe_interval >= 1, probe_rows >= 1, margin >= 0; got {probe_interval}, "
                          f"{probe_rows}, {margin}")
+    if not (spec_scale > 0 and plain_scale > 0):
+        raise ValueError(f"need spec_scale > 0 and plain_scale > 0; got {spec_scale}, {plain_scale}")
     return decide_speculation_numpy(
         survival=survival.detach().to(torch.float64).numpy(), costs=costs, known_rows=known_rows,
         steps_since_draft=steps_since_draft, probe_interval=probe_interval, probe_rows=probe_rows,
-        margin=margin, min_survival=min_survival)
+        margin=margin, min_survival=min_survival, spec_scale=spec_scale, plain_scale=plain_scale)
 
 
 def decide_speculation_numpy(
     *, survival: np.ndarray, costs: StepCosts, known_rows: int, steps_since_draft: int, probe_interval: int,
-    probe_rows: int, margin: float, min_survival: float,
+    probe_rows: int, margin: float, min_survival: float, spec_scale: float = 1.0, plain_scale: float = 1.0,
 ) -> SpeculationDecision:
     """`decide_speculation` on a float64 [N, k] array, unchecked (the numpy twin of AutoPolicy's compiled
     decision, fused.py)."""
@@ -221,9 +227,9 @@ def decide_speculation_numpy(
         rate = tau / (costs.draft_seconds(num_reqs) + seconds)
         best_n = int(np.argmax(rate))
         best_rate = float(rate[best_n])
-    return decision_from_best(num_reqs=num_reqs, best_n=best_n, best_rate=best_rate, plain_rate=plain_rate,
-                              steps_since_draft=steps_since_draft, probe_interval=probe_interval,
-                              probe_rows=probe_rows, margin=margin)
+    return decision_from_best(num_reqs=num_reqs, best_n=best_n, best_rate=best_rate * spec_scale,
+                              plain_rate=plain_rate * plain_scale, steps_since_draft=steps_since_draft,
+                              probe_interval=probe_interval, probe_rows=probe_rows, margin=margin)
 
 
 def decision_from_best(*, num_reqs: int, best_n: int, best_rate: float, plain_rate: float, steps_since_draft: int,
@@ -405,6 +411,8 @@ def decide_speculation_reference(
     probe_rows: int = 4,
     margin: float = 0.05,
     min_survival: float = 0.0,
+    spec_scale: float = 1.0,
+    plain_scale: float = 1.0,
 ) -> SpeculationDecision:
     num_reqs = len(survival)
     if num_reqs == 0:
@@ -421,6 +429,7 @@ def decide_speculation_reference(
             rate = tau / (draft_seconds + (1.0 / steps if steps > 0 else float("inf")))
             if n == 0 or rate > best_rate:
                 best_n, best_rate = n, rate
+    best_rate, plain_rate = best_rate * spec_scale, plain_rate * plain_scale
     if best_n > 0 and best_rate > (1.0 + margin) * plain_rate:
         return SpeculationDecision(True, best_n, False, num_reqs, best_n, best_rate, plain_rate)
     if steps_since_draft >= probe_interval:

@@ -20,15 +20,20 @@ batches: a lever that keeps it equal changes the speed only). Rows:
   anchors_512         more anchors per target forward (data.num_anchors=512; changes the batch, so the loss)
   bf16                bf16 target and autocast, only where the CPU computes bf16 natively (every other row
                       pins fp32, which the recipe's `auto` would not pick on such a CPU)
-  all_exact           target_probs_once + pack_anchors + sequence_attention + feature_cache (loss unchanged
-                      up to float rounding)
+  all_exact (full softmax)
+                      target_probs_once + pack_anchors + sequence_attention + feature_cache (loss unchanged
+                      up to float rounding), the target's softmax over the full vocabulary
+  all_exact           and cached_log_partition: the cache also holds each position's log-partition, and a
+                      warm step runs only the draft-vocabulary rows of the target's LM head (the difference
+                      to the row above is this lever on its own: it needs target_probs_once and the cache)
   all_exact + bf16    and bf16 (its own bf16 feature cache: a bf16 target is another target to the cache)
   all + anchors_512   and more anchors per target forward
   init=target_layers  all_exact with the drafter initialised from the target's layers (loss-slope lever)
 
 Prints the CPU model, its flags that matter (avx2 / avx512f / avx512_bf16 / amx_bf16), torch's
-capability string, threads, the load average (a shared machine makes every number provisional) and the
-dtype; writes the rows to <out>/bench_train.json and a bar chart to <out>/bench_train.png.
+capability string, the ISA caps set in the environment (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2` runs an AVX-512 machine as an AVX2-only one), threads, the load average (a shared
+machine makes every number provisional) and the dtype; writes the rows to <out>/bench_train.json and a bar chart to <out>/bench_train.png.
 """
 
 from __future__ import annotations
@@ -44,7 +49,14 @@ from pathlib import Path
 
 import torch
 
-from sglang_hspec.target.dtypes import SPEED_FLAGS, bf16_is_fast, cpu_flags, cpu_model, resolve_dtype
+from sglang_hspec.target.dtypes import (
+    SPEED_FLAGS,
+    bf16_is_fast,
+    cpu_flags,
+    cpu_model,
+    isa_caps,
+    resolve_dtype,
+)
 from sglang_hspec.training.config import load_config
 from sglang_hspec.training.trainer import train
 
@@ -52,8 +64,9 @@ from sglang_hspec.training.trainer import train
 FP32 = ["model.target_dtype=fp32", "training.bf16=false"]
 BF16 = ["model.target_dtype=bf16", "training.bf16=true"]
 BASELINE = ["training.target_probs_once=false", "training.pack_anchors=false", "training.sequence_attention=false",
-            *FP32]
-EXACT = ["training.target_probs_once=true", "training.pack_anchors=true", "training.sequence_attention=true", *FP32]
+            *FP32, "training.cached_log_partition=false"]
+EXACT = ["training.target_probs_once=true", "training.pack_anchors=true", "training.sequence_attention=true", *FP32,
+         "training.cached_log_partition=true"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         ("feature_cache", BASELINE + cache),
         ("anchors_512", BASELINE + ["data.num_anchors=512"]),
         ("bf16", BASELINE[:3] + BF16),
+        ("all_exact (full softmax)", EXACT + cache + ["training.cached_log_partition=false"]),
         ("all_exact", EXACT + cache),
         ("all_exact + bf16", EXACT[:3] + BF16 + cache_bf16),
         ("all + anchors_512", EXACT + cache + ["data.num_anchors=512"]),
@@ -109,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = cpu_flags()
     print(f"cpu: {cpu_model()} | flags: {' '.join(f for f in SPEED_FLAGS if f in flags)}"
           f" | torch capability {torch.backends.cpu.get_cpu_capability()} | threads {torch.get_num_threads()}"
-          f" | load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+          f" | load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+          + (f" | ISA capped by {isa_caps()}" if isa_caps() else ""))
     dtype = resolve_dtype(base_cfg.model.target_dtype, "cpu")
     print(f"dtype: fp32 except the bf16 rows (the recipe's target_dtype={base_cfg.model.target_dtype} would pick "
           f"{dtype} here); bf16 native on this CPU: {native_bf16} | "
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['x_blocks']:>7.2f}x {r['loss']:>8.4f}")
     for note in cache_notes:
         print(note)
-    payload = {"cpu": cpu_model(), "flags": sorted(f for f in flags if "avx" in f or "amx" in f),
+    payload = {"cpu": cpu_model(), "isa_caps": isa_caps(), "flags": sorted(f for f in flags if "avx" in f or "amx" in f),
                "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
                "loadavg": os.getloadavg(), "dtype": str(dtype), "steps": args.steps, "config": args.config,
                "overrides": common, "cache": cache_notes, "rows": results}

@@ -225,37 +225,31 @@ class SpeculationSwitch:
         if self.policy == "never":
             self.counts["plain"] += 1
             return False
-        from sglang_hspec.scheduler.switch import (
-            decide_speculation,
-            decision_from_best,
-            estimated_survival,
-            next_probe_interval,
-        )
+        from sglang_hspec.scheduler.switch import decide_speculation, estimated_survival, next_probe_interval
 
         confidence, known = self.stale.read(rows=rows, generation=generation)
         survival = estimated_survival(confidences=confidence, known=known, ratios=self.ratios)
         num_reqs = int(rows.numel())
-        probe_rows = max(1, num_reqs)
-        decision = decide_speculation(
-            survival=survival, costs=self.costs, known_rows=int(known.sum()),
-            steps_since_draft=self.steps_since_draft, probe_interval=self.probe_interval,
-            probe_rows=probe_rows, margin=self.margin, min_survival=self.min_survival,
-        )
         guard = self.guard
-        if guard is not None:
+        spec_scale = plain_scale = 1.0
+        if guard is not None:  # the step decided last ends here; its realized rate is in the scales
             self._collect_tokens()
             self._guard_step = None
             guard.end()
-            predicted_spec, predicted_plain = decision.spec_tokens_per_sec, decision.plain_tokens_per_sec
-            if num_reqs:
-                decision = decision_from_best(
-                    num_reqs=num_reqs, best_n=decision.best_budget, best_rate=predicted_spec * guard.scale("spec"),
-                    plain_rate=predicted_plain * guard.scale("plain"), steps_since_draft=self.steps_since_draft,
-                    probe_interval=self.probe_interval, probe_rows=probe_rows, margin=self.margin)
-                kind = "probe" if decision.probe else "spec" if decision.speculate else "plain"
-                self._guard_step = guard.begin(
-                    kind=kind, predicted_rate=predicted_spec if kind == "spec" else predicted_plain,
-                    num_reqs=num_reqs, tokens=num_reqs if kind == "plain" else None)
+            spec_scale, plain_scale = guard.scale("spec"), guard.scale("plain")
+        decision = decide_speculation(
+            survival=survival, costs=self.costs, known_rows=int(known.sum()),
+            steps_since_draft=self.steps_since_draft, probe_interval=self.probe_interval,
+            probe_rows=max(1, num_reqs), margin=self.margin, min_survival=self.min_survival,
+            spec_scale=spec_scale, plain_scale=plain_scale,
+        )
+        if guard is not None and num_reqs:
+            kind = "probe" if decision.probe else "spec" if decision.speculate else "plain"
+            # the guard compares realized rates with the table's own predictions, not the scaled ones
+            predicted = (decision.spec_tokens_per_sec / spec_scale if kind == "spec"
+                         else decision.plain_tokens_per_sec / plain_scale)
+            self._guard_step = guard.begin(kind=kind, predicted_rate=predicted, num_reqs=num_reqs,
+                                           tokens=num_reqs if kind == "plain" else None)
         self.probe_interval = next_probe_interval(decision=decision, probe_interval=self.probe_interval,
                                                   initial=self.initial_probe_interval,
                                                   maximum=self.max_probe_interval)

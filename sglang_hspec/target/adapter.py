@@ -220,6 +220,10 @@ class TargetFeatures:
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer id -> (K post-RoPE, V), [B, kv_heads, T, head_dim]
     final_hidden: torch.Tensor  # [B, T, hidden] after the final norm (logits = lm_head(final_hidden))
     logits: torch.Tensor | None = None  # [B, T, V] float32 when requested
+    # [B, T] float32 log of each position's softmax normaliser over the full vocabulary, read back from the
+    # feature cache (training.cached_log_partition): the draft-vocabulary probabilities then need only the
+    # draft rows of the LM head
+    log_partition: torch.Tensor | None = None
 
 
 class TargetAdapter:

@@ -58,6 +58,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+# environment variables that cap which instructions torch's own kernels, oneDNN and MKL use: with them a
+# CPU computes like an older one (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+# runs an AVX-512 machine as an AVX2-only one), so they are part of what a timing or a dtype probe measured
+ISA_CAP_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_caps() -> str:
+    """The ISA caps set in this process's environment, as `NAME=value` words ('' when none)."""
+    return " ".join(f"{name}={os.environ[name]}" for name in ISA_CAP_ENV if os.environ.get(name, "").strip())
+
+
 def describe_machine() -> str:
     """One line for every benchmark and results table: CPU model, cores, the speed flags present, torch's
     CPU capability, threads and what `--dtype auto` picks here (the CPU differs between machines: print
@@ -65,7 +76,8 @@ def describe_machine() -> str:
     shown = [f for f in SPEED_FLAGS if f in cpu_flags()]
     return (f"{cpu_model()}, {os.cpu_count()} cores, flags: {' '.join(shown) or 'none of ' + '/'.join(SPEED_FLAGS)}, "
             f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}, "
-            f"{torch.get_num_threads()} threads, auto dtype {'bf16' if bf16_is_fast('cpu') else 'fp32'}")
+            f"{torch.get_num_threads()} threads, auto dtype {'bf16' if bf16_is_fast('cpu') else 'fp32'}"
+            + (f", ISA capped by {caps}" if (caps := isa_caps()) else ""))
 
 
 BF16_PROBE_ROWS = (1, 8, 256)  # a decode step, a verify block, a training / prefill batch
@@ -91,10 +103,12 @@ def _matmul_seconds(rows: int, dtype: torch.dtype, *, in_features: int = 576, ou
 def cpu_bf16_speedup() -> float:
     """fp32 time over bf16 time of the MLP matmul, the median over `BF16_PROBE_ROWS` (> 1: bf16 is faster
     here; the median, because one timing disturbed by another process can be off by 10x). Measured once per
-    CPU model, flags and torch version (< 1 s) and cached on disk."""
+    CPU model, flags, torch version and ISA caps (`isa_caps`; < 1 s) and cached on disk."""
     from sglang_hspec.assets.embedded import default_cache_dir
 
     key = f"{cpu_model()} | {' '.join(sorted(f for f in SPEED_FLAGS if f in cpu_flags()))} | torch {torch.__version__}"
+    if caps := isa_caps():  # a capped ISA is another machine to the probe
+        key += f" | {caps}"
     path = default_cache_dir() / "dtype_probe.json"
     try:
         cached = json.loads(path.read_text())

@@ -108,6 +108,9 @@ class TrainingSection(StrictModel):
     # throughput levers (each can be switched off to measure it: scripts/bench_train.py)
     target_probs_once: bool = True  # target softmax once per position, not once per slot reading it
     pack_anchors: bool = True  # no drafter or loss compute on padded anchors and masked slots
+    # with target_probs_once and a feature cache: the cache stores each position's log-partition (4 bytes per
+    # token), and a warm step runs only the draft-vocabulary rows of the target's LM head (exact up to rounding)
+    cached_log_partition: bool = True
     # attention reads each sequence's target KV in place for all its blocks (false: one window copied per
     # block, the inference layout)
     sequence_attention: bool = True

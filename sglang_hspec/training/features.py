@@ -10,13 +10,15 @@ Layout of `data.feature_cache` (a directory):
   dflash; not dflash_target_kv, which reads five KV layers) shares one cache.
 - `shards/<key>.safetensors`, one per example, key = sha1 of its token ids (the same sequence hits
   whatever its record id or position in the data): `hidden` [T, n_ids, d], `k.<L>` / `v.<L>`
-  [kv_heads, T, head_dim] for each KV layer L, `final_hidden` [T, d]. The next-token logits are not
-  stored ([T, V] would be ~10x the rest): the trainer recomputes them from `final_hidden` with the
-  target's LM head, ~20 % of a target forward for SmolLM2.
+  [kv_heads, T, head_dim] for each KV layer L, `final_hidden` [T, d], and (training.cached_log_partition)
+  `log_partition` [T] float32, the logsumexp of the LM head's logits over the stored `final_hidden`. The
+  next-token logits are not stored ([T, V] would be ~10x the rest): the trainer recomputes the target's
+  draft-vocabulary probabilities from `final_hidden` with the LM head, and with `log_partition` only the
+  head's draft-vocabulary rows run (exp(logit - log_partition): 1/6 of the head for SmolLM2).
 
-Disk cost per token: ((n_ids + 1) * d + 2 * n_kv * kv_heads * head_dim) values (`bytes_per_token`); the
-SmolLM2 H-Spec recipe (5 hidden ids, 3 KV layers, d 576, 3 x 64 KV) stores 4608 values: 18.4 KB per
-token in fp32, 9.2 KB in bf16, i.e. at most 5.7 GB (fp32) for the 600 sequences x <=512 tokens of its
+Disk cost per token: ((n_ids + 1) * d + 2 * n_kv * kv_heads * head_dim) values plus the 4-byte
+log-partition (`bytes_per_token`); the SmolLM2 H-Spec recipe (5 hidden ids, 3 KV layers, d 576, 3 x 64 KV)
+stores 4608 values: 18.4 KB per token in fp32, 9.2 KB in bf16, i.e. at most 5.7 GB (fp32) for the 600 sequences x <=512 tokens of its
 300 steps. Shards are written atomically (temp file + os.replace): a killed run leaves whole shards only.
 """
 
@@ -68,9 +70,9 @@ def example_key(input_ids: list[int]) -> str:
 
 
 def bytes_per_token(*, hidden_size: int, num_hidden_ids: int, num_kv_layers: int, num_kv_heads: int,
-                    head_dim: int, dtype: str) -> int:
+                    head_dim: int, dtype: str, log_partition: bool = True) -> int:
     values = (num_hidden_ids + 1) * hidden_size + 2 * num_kv_layers * num_kv_heads * head_dim
-    return values * torch.tensor([], dtype=_DTYPES[dtype]).element_size()
+    return values * torch.tensor([], dtype=_DTYPES[dtype]).element_size() + 4 * log_partition
 
 
 class FeatureCache:
@@ -131,15 +133,24 @@ class FeatureCache:
     def has(self, key: str) -> bool:
         return self._path(key).is_file()
 
+    def stored(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the shards store it (the cache's dtype): what a later read returns."""
+        return t.detach().to(self.dtype)
+
     def put(self, key: str, *, hidden: torch.Tensor | None, kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
-            final_hidden: torch.Tensor) -> None:
-        """One example's features: hidden [T, n, d] (or None), kv {L: (K, V) [kv, T, D]}, final_hidden [T, d]."""
+            final_hidden: torch.Tensor, log_partition: torch.Tensor | None = None) -> None:
+        """One example's features: hidden [T, n, d] (or None), kv {L: (K, V) [kv, T, D]}, final_hidden [T, d],
+        and optionally the log-partition [T] of the LM head over the stored final_hidden (kept in float32)."""
         tensors = {"final_hidden": final_hidden}
         if hidden is not None:
             tensors["hidden"] = hidden
         for layer_id in self.manifest.kv_layer_ids:
             tensors[f"k.{layer_id}"], tensors[f"v.{layer_id}"] = kv[layer_id]
         tensors = {n: t.detach().to(device="cpu", dtype=self.dtype).contiguous() for n, t in tensors.items()}
+        if log_partition is not None:
+            if log_partition.shape != final_hidden.shape[:1]:
+                raise ValueError(f"log_partition must be [T={final_hidden.shape[0]}], got {tuple(log_partition.shape)}")
+            tensors["log_partition"] = log_partition.detach().to(device="cpu", dtype=torch.float32).contiguous()
         path = self._path(key)
 
         self._guard_disk(lambda: atomic_write_bytes(path, save(tensors)))
@@ -173,7 +184,13 @@ class FeatureCache:
                 pick = [self.manifest.hidden_layer_ids.index(i) for i in hidden_layer_ids]
                 hidden = hidden[:, :, pick].contiguous()
         kv = {i: (stack(f"k.{i}", 1), stack(f"v.{i}", 1)) for i in kv_layer_ids}
-        return TargetFeatures(hidden=hidden, kv=kv, final_hidden=stack("final_hidden", 0))
+        log_partition = None
+        if all("log_partition" in s for s in shards):  # shards written before it existed have none
+            log_partition = torch.zeros(B, length, dtype=torch.float32)
+            for b, s in enumerate(shards):
+                log_partition[b, : s["log_partition"].shape[0]] = s["log_partition"]
+            log_partition = log_partition.to(device)
+        return TargetFeatures(hidden=hidden, kv=kv, final_hidden=stack("final_hidden", 0), log_partition=log_partition)
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.shards.glob("*.safetensors"))

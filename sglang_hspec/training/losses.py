@@ -134,15 +134,39 @@ class TargetProbs:
 
 
 @torch.no_grad()
+def lm_head_log_partition(*, hidden: torch.Tensor, lm_head_weight: torch.Tensor, lm_head_bias: torch.Tensor | None = None,
+                  chunk_rows: int = 2048) -> torch.Tensor:
+    """[...] float32 logsumexp of the full-vocabulary logits lm_head(hidden) of every position (the log of
+    the softmax normaliser), computed a chunk of rows at a time."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    for s in range(0, flat.shape[0], chunk_rows):
+        logits = F.linear(flat[s: s + chunk_rows].to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)
+        out[s: s + chunk_rows] = torch.logsumexp(logits.float(), dim=-1)
+    return out.reshape(hidden.shape[:-1])
+
+
+@torch.no_grad()
 def target_draft_probs(
     *, d2t: torch.Tensor, logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
     lm_head_weight: torch.Tensor | None = None, lm_head_bias: torch.Tensor | None = None, chunk_rows: int = 2048,
+    log_partition: torch.Tensor | None = None,
 ) -> TargetProbs:
     """`TargetProbs` of every position, from full-vocabulary `logits` [..., V] or from final-norm `hidden`
     [..., d] and the target's LM head (then no [positions, V] logits tensor beyond one chunk is held).
-    Row for row the same float32 softmax as `per_slot_terms`, so the loss does not change."""
+    Row for row the same float32 softmax as `per_slot_terms`, so the loss does not change.
+
+    With `hidden` and its `log_partition` [...] (`lm_head_log_partition` of the same hidden, e.g. from the feature
+    cache), only the draft-vocabulary rows of the LM head run: p_t[d2t[i]] = exp(logit_i - log_partition),
+    the same softmax up to float rounding at V_d / V of the matmul (1/6 for SmolLM2's 8,192 of 49,152)."""
     if (logits is None) == (hidden is None):
         raise ValueError("pass exactly one of logits and hidden (with lm_head_weight)")
+    if log_partition is not None:
+        if hidden is None or log_partition.shape != hidden.shape[:-1]:
+            raise ValueError(f"log_partition {tuple(log_partition.shape)} needs hidden of shape [..., d] with the "
+                             f"same leading shape, got {None if hidden is None else tuple(hidden.shape)}")
+        return _draft_rows_probs(d2t=d2t, hidden=hidden, lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias,
+                                 log_partition=log_partition, chunk_rows=chunk_rows)
     src = logits if logits is not None else hidden
     src = src.reshape(-1, src.shape[-1])
     probs = torch.empty(src.shape[0], d2t.numel(), dtype=torch.float32, device=src.device)
@@ -155,6 +179,18 @@ def target_draft_probs(
         probs[s: s + chunk_rows] = p_in
         outside[s: s + chunk_rows] = (1.0 - p_in.sum(-1)).clamp_min(0.0)
     return TargetProbs(probs=probs, outside=outside)
+
+
+def _draft_rows_probs(*, d2t, hidden, lm_head_weight, lm_head_bias, log_partition, chunk_rows) -> TargetProbs:
+    weight = lm_head_weight.index_select(0, d2t)
+    bias = None if lm_head_bias is None else lm_head_bias.index_select(0, d2t)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    lse = log_partition.reshape(-1, 1).to(torch.float32)
+    probs = torch.empty(flat.shape[0], d2t.numel(), dtype=torch.float32, device=flat.device)
+    for s in range(0, flat.shape[0], chunk_rows):
+        part = F.linear(flat[s: s + chunk_rows].to(weight.dtype), weight, bias).float()
+        torch.exp(part.sub_(lse[s: s + chunk_rows]), out=probs[s: s + chunk_rows])
+    return TargetProbs(probs=probs, outside=(1.0 - probs.sum(-1)).clamp_min(0.0))
 
 
 def _draft_terms(

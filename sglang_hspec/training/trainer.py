@@ -41,6 +41,7 @@ from sglang_hspec.training.config import TrainConfig, check_against_target, chec
 from sglang_hspec.training.data import load_examples, load_examples_cached, patterned_examples
 from sglang_hspec.training.losses import (
     block_loss,
+    lm_head_log_partition,
     position_weights,
     sample_anchors,
     slot_mask,
@@ -442,12 +443,18 @@ def _target_side(cfg: TrainConfig, adapter, drafter, cache, batch, ids, lengths)
         return _with_target_probs(cfg, adapter, drafter, feats)
     store_hidden, store_kv = cache.manifest.hidden_layer_ids, cache.manifest.kv_layer_ids
     feats = adapter.full_forward(ids, hidden_layer_ids=store_hidden, kv_layer_ids=store_kv, return_logits=False)
+    lm = adapter.lm_head
     for b, (key, n) in enumerate(zip(keys, lengths.tolist())):
         if not cache.has(key):
             cache.misses += 1
+            log_partition = None
+            if cfg.training.cached_log_partition:  # of the hidden states as stored, so a warm read is exact
+                log_partition = lm_head_log_partition(
+                    hidden=cache.stored(feats.final_hidden[b, :n]).to(feats.final_hidden.dtype),
+                    lm_head_weight=lm.weight, lm_head_bias=lm.bias, chunk_rows=cfg.training.loss_chunk_rows)
             cache.put(key, hidden=None if feats.hidden is None else feats.hidden[b, :n],
                       kv={i: (k[b, :, :n], v[b, :, :n]) for i, (k, v) in feats.kv.items()},
-                      final_hidden=feats.final_hidden[b, :n])
+                      final_hidden=feats.final_hidden[b, :n], log_partition=log_partition)
     if need_hidden != store_hidden:
         pick = [store_hidden.index(i) for i in need_hidden]
         feats.hidden = feats.hidden[:, :, pick] if pick else None
@@ -460,8 +467,10 @@ def _with_target_probs(cfg: TrainConfig, adapter, drafter, feats):
     if not cfg.training.target_probs_once:
         feats.logits = lm(feats.final_hidden).float()
         return feats, None
+    log_partition = feats.log_partition if cfg.training.cached_log_partition else None
     probs = target_draft_probs(d2t=drafter.d2t, hidden=feats.final_hidden, lm_head_weight=lm.weight,
-                               lm_head_bias=lm.bias, chunk_rows=cfg.training.loss_chunk_rows)
+                               lm_head_bias=lm.bias, chunk_rows=cfg.training.loss_chunk_rows,
+                               log_partition=log_partition)
     return feats, probs
 
 

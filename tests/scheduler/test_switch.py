@@ -45,6 +45,21 @@ def test_one_request_hand_computed():
     assert d.plain_tokens_per_sec == 10.0
 
 
+def test_guard_scales_hand_computed():
+    # the costs above: spec(1) = 1.9 / 0.145 = 13.103 tok/s against plain 10 x (1 + 0.05) = 10.5.
+    # spec_scale 0.80: 10.483 < 10.5 -> plain; 0.81: 10.614 > 10.5 -> speculate.
+    # plain_scale 1.25: 1.05 x 12.5 = 13.125 > 13.103 -> plain; 1.24: 13.02 < 13.103 -> speculate.
+    costs = switch.StepCosts(cost_table([10, 8, 5], plain=[10], draft=[0.02]))
+    for spec_scale, plain_scale, speculate in ((0.80, 1.0, False), (0.81, 1.0, True), (1.0, 1.25, False),
+                                               (1.0, 1.24, True)):
+        d = both([[0.9, 0.9]], costs, spec_scale=spec_scale, plain_scale=plain_scale, **KNOWN)
+        assert d.speculate is speculate and d.best_budget == 1
+        assert d.spec_tokens_per_sec == pytest.approx(spec_scale * 1.9 / 0.145)
+        assert d.plain_tokens_per_sec == pytest.approx(plain_scale * 10.0)
+    with pytest.raises(ValueError, match="spec_scale > 0"):
+        both([[0.9, 0.9]], costs, spec_scale=0.0, **KNOWN)
+
+
 def test_poor_drafts_decode_plainly():
     # survival 0.3: spec(1) = 1.3/0.145 = 8.97 < 10, spec(2) = 1.39/0.22 = 6.3 -> plain
     costs = switch.StepCosts(cost_table([10, 8, 5], plain=[10], draft=[0.02]))

@@ -56,6 +56,8 @@ def test_hspec_cpu_bf16_overrides_the_measurement(fake_cpu, monkeypatch):
 
 def test_the_speedup_is_measured_once_and_cached_per_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("HSPEC_CACHE_DIR", str(tmp_path))
+    for name in dtypes.ISA_CAP_ENV:
+        monkeypatch.delenv(name, raising=False)
     timed = []
     monkeypatch.setattr(dtypes, "_matmul_seconds",
                         lambda rows, dtype: timed.append(rows) or (2.0 if dtype == torch.float32 else 1.0) * rows)
@@ -66,6 +68,22 @@ def test_the_speedup_is_measured_once_and_cached_per_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(dtypes, "cpu_model", lambda: "another CPU")
     dtypes.cpu_bf16_speedup()
     assert timed  # another CPU model is measured anew
+    timed.clear()
+    dtypes.cpu_bf16_speedup()
+    assert timed == []
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the same CPU with oneDNN capped is another machine
+    dtypes.cpu_bf16_speedup()
+    assert timed
+
+
+def test_isa_caps_are_named_in_the_machine_line(monkeypatch):
+    for name in dtypes.ISA_CAP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert dtypes.isa_caps() == "" and "ISA capped" not in dtypes.describe_machine()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert dtypes.isa_caps() == "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2"
+    assert dtypes.describe_machine().endswith(", ISA capped by ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2")
 
 
 def test_without_proc_cpuinfo_the_capability_string_decides(fake_cpu):

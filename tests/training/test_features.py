@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from sglang_hspec.target.adapter import TargetAdapter
 from sglang_hspec.training.config import load_config
@@ -45,11 +46,32 @@ def test_feature_cache_gives_the_same_losses_and_runs_the_target_once_per_exampl
     warm = train(load_config(TINY, cache_over + [f"training.output_dir={tmp_path / 'b'}"]), progress=False)
     assert count_target_forwards == [] and warm.cache_stats["misses"] == 0
     assert [m.loss for m in warm.history] == pytest.approx([m.loss for m in first.history], rel=1e-6)
+    # the warm run read each position's log-partition and ran only the LM head's draft rows; with
+    # training.cached_log_partition=false it runs the full-vocabulary softmax: the same losses
+    shard = load_file(str(next((tmp_path / "cache" / "shards").glob("*.safetensors"))))
+    assert shard["log_partition"].dtype == torch.float32 and shard["log_partition"].shape == shard["final_hidden"].shape[:1]
+    full = train(load_config(TINY, cache_over + [f"training.output_dir={tmp_path / 'c'}",
+                                                 "training.cached_log_partition=false"]), progress=False)
+    assert [m.loss for m in full.history] == pytest.approx([m.loss for m in warm.history], rel=1e-6)
     # disk: 16 shards of 24 tokens at the stated cost per token, plus small safetensors headers
     per_token = bytes_per_token(hidden_size=64, num_hidden_ids=5, num_kv_layers=3, num_kv_heads=2, head_dim=16,
                                 dtype="fp32")
-    assert per_token == (6 * 64 + 2 * 3 * 2 * 16) * 4
+    assert per_token == (6 * 64 + 2 * 3 * 2 * 16) * 4 + 4  # + the float32 log-partition
     assert 16 * 24 * per_token <= first.cache_stats["disk_bytes"] <= 16 * 24 * per_token + 16 * 2048
+
+
+def test_shards_without_a_log_partition_read_back_as_none(tmp_path):
+    """A cache written before training.cached_log_partition existed still serves: the batch then has no
+    log-partition and the trainer runs the full softmax."""
+    cache = FeatureCache(tmp_path, target_fingerprint="t", hidden_layer_ids=[], kv_layer_ids=[1])
+    kv = {1: (torch.ones(2, 3, 4), torch.ones(2, 3, 4))}
+    cache.put("old", hidden=None, kv=kv, final_hidden=torch.ones(3, 5))
+    cache.put("new", hidden=None, kv=kv, final_hidden=torch.ones(3, 5), log_partition=torch.tensor([1.0, 2.0, 3.0]))
+    got = cache.load_batch(["new"], length=4, dtype=torch.float32, device="cpu")
+    assert got.log_partition.tolist() == [[1.0, 2.0, 3.0, 0.0]]
+    assert cache.load_batch(["new", "old"], length=4, dtype=torch.float32, device="cpu").log_partition is None
+    with pytest.raises(ValueError, match=r"log_partition must be \[T=3\]"):
+        cache.put("bad", hidden=None, kv=kv, final_hidden=torch.ones(3, 5), log_partition=torch.ones(4))
 
 
 def test_feature_cache_for_another_setup_is_refused_with_the_fix(tmp_path):

@@ -5,6 +5,7 @@ import torch
 
 from sglang_hspec.training.losses import (
     block_loss,
+    lm_head_log_partition,
     per_slot_terms,
     position_weights,
     sample_anchors,
@@ -148,6 +149,25 @@ def test_target_probs_from_hidden_equal_softmax_of_the_logits_restricted_to_the_
     torch.testing.assert_close(tl.probs, tp.probs, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="exactly one of logits and hidden"):
         target_draft_probs(d2t=case["d2t"])
+
+
+def test_target_probs_from_the_draft_rows_and_a_cached_log_partition_equal_the_full_softmax():
+    """training.cached_log_partition: exp(draft-row logit - logsumexp of all logits) is the full softmax
+    restricted to the draft vocabulary, whatever the chunking, and the outside mass is what the draft
+    vocabulary lacks."""
+    case, hidden, lm_w, lm_b, _ = _random_block_case()
+    logits = torch.nn.functional.linear(hidden, lm_w, lm_b)
+    p_full = torch.softmax(logits.reshape(-1, logits.shape[-1]), -1)
+    lse = lm_head_log_partition(hidden=hidden, lm_head_weight=lm_w, lm_head_bias=lm_b, chunk_rows=5)
+    assert lse.shape == hidden.shape[:-1]
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-6)
+    for chunk in (1, 5, 1000):
+        tp = target_draft_probs(d2t=case["d2t"], hidden=hidden, lm_head_weight=lm_w, lm_head_bias=lm_b,
+                                chunk_rows=chunk, log_partition=lse)
+        torch.testing.assert_close(tp.probs, p_full[:, case["d2t"]], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(tp.outside, p_full[:, [1, 4, 6, 9, 10]].sum(-1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="log_partition .* needs hidden"):
+        target_draft_probs(d2t=case["d2t"], hidden=hidden, lm_head_weight=lm_w, log_partition=lse[:, :-1])
 
 
 @pytest.mark.parametrize("compact", [False, True])
