@@ -249,7 +249,7 @@ class AutoPolicy(_SpsPolicy):
         audit_prior: float = 1.0,
         audit_decay: float = 0.95,
         guard: bool = False,
-        guard_prior: float = 16.0,
+        guard_prior: float = switch.GUARD_PRIOR,
         guard_decay: float = 0.97,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:

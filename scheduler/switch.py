@@ -306,6 +306,12 @@ def next_probe_interval(*, decision: SpeculationDecision, probe_interval: int, i
     return probe_interval
 
 
+# the guard's prior, in tokens per request: ~2 steps of evidence before a realized shortfall moves a decision.
+# Swept on the engine (docs/results.md, "Speculate or decode"): 4 kept every cell within 6 % of plain decoding,
+# 16 and 64 lost 14-15 % at 4 requests on MT-Bench (they needed ~10 speculative steps to react)
+GUARD_PRIOR = 4.0
+
+
 class RateGuard:
     """The switch's realized-rate audit (host state, keyword-only calls): per kind of step, speculative or
     plain, the tokens committed against the tokens the switch's predicted rate would have committed in the
@@ -332,7 +338,7 @@ class RateGuard:
 
     KINDS = ("spec", "plain", "probe")
 
-    def __init__(self, *, prior: float = 16.0, decay: float = 0.97, token_lag: int = 0,
+    def __init__(self, *, prior: float = GUARD_PRIOR, decay: float = 0.97, token_lag: int = 0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if not prior > 0 or not 0 < decay <= 1 or token_lag < 0:
             raise ValueError(f"need guard_prior > 0, 0 < guard_decay <= 1 and token_lag >= 0; got {prior}, {decay}, "

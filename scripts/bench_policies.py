@@ -107,6 +107,23 @@ def round_order(configs: list, r: int, order: str) -> list:
     return configs if r % 2 == 0 else configs[::-1]
 
 
+def policy_variant(name: str) -> tuple[str, bool, float | None]:
+    """(make_policy name, guard, guard_prior or None for the default) of a --policies entry: auto-unguarded,
+    auto-prior<N>, or a plain name."""
+    if name == "auto-unguarded":
+        return "auto", False, None
+    if name.startswith("auto-prior"):
+        try:
+            prior = float(name.removeprefix("auto-prior"))
+        except ValueError:
+            prior = -1.0
+        if not prior > 0:
+            raise SystemExit(f"--policies {name}: write auto-prior<N> with a prior N > 0 in tokens per request, "
+                             "e.g. auto-prior4")
+        return "auto", True, prior
+    return name, True, None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="embedded")
@@ -121,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,4,16,32")
     ap.add_argument("--policies", default="fixed,stale,auto",
                     help="comma-separated: fixed, exact, stale, auto, auto-unguarded (auto without its realized-rate "
-                         "guard, scheduler/policy.py)")
+                         "guard, scheduler/policy.py), auto-prior<N> (auto with the guard's prior at N tokens per request; default "
+                         "scheduler.switch.GUARD_PRIOR)")
     ap.add_argument("--dataset", default="mtbench", help="prompt set (sglang_hspec/assets/prompts.py), e.g. gsm8k")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -138,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                          "at B = 1)")
     ap.add_argument("--out", default=None, help="JSON with every row (and the SPS table path)")
     args = ap.parse_args(argv)
+    for name in args.policies.split(","):  # a misspelt variant fails before the target loads
+        policy_variant(name)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -164,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             engine = SpeculativeEngine(adapter, NoDrafter())
         else:
             drafter = drafters[spec]
-            unguarded = name == "auto-unguarded"
-            policy, transform = make_policy("auto" if unguarded else name, block_size=drafter.block_size,
-                                            sps_table=sps_table, sts=args.sts, guard=not unguarded)
+            base, guard, prior = policy_variant(name)
+            policy, transform = make_policy(base, block_size=drafter.block_size, sps_table=sps_table, sts=args.sts,
+                                            guard=guard, guard_prior=prior)
             engine = SpeculativeEngine(adapter, drafter, policy=policy, confidence_transform=transform)
         t0 = time.perf_counter()
         res = engine.generate(batch, sampling)

@@ -9,7 +9,7 @@ import torch
 
 
 def make_policy(name: str, *, block_size: int, sps_table: str | None = None, sts: str | None = None,
-                guard: bool = True) -> tuple[Callable, Callable[[torch.Tensor], torch.Tensor]]:
+                guard: bool = True, guard_prior: float | None = None) -> tuple[Callable, Callable[[torch.Tensor], torch.Tensor]]:
     """(policy, confidence transform) for `SpeculativeEngine`.
 
     fixed: verify the whole proposal. exact: DSpark's Algorithm 1 with early stop on this step's
@@ -18,7 +18,9 @@ def make_policy(name: str, *, block_size: int, sps_table: str | None = None, sts
     verify) whenever that is expected to be faster, probing now and then. The transform turns raw
     confidence logits [B, block_size] into per-slot probabilities (sigmoid, or the STS-calibrated
     sigmoid(z / T_j)). guard (auto only): correct the switch by the rates this engine realizes
-    (scheduler/policy.py, AutoPolicy); off, its decisions depend on the table and estimates alone."""
+    (scheduler/policy.py, AutoPolicy); off, its decisions depend on the table and estimates alone; guard_prior:
+    the guard's prior in tokens per request (None: scheduler.switch.GUARD_PRIOR; larger: slower to react, harder
+    to fool by one noisy step)."""
     from sglang_hspec.calibration.sts import calibrated_confidence, load_sts
 
     temperatures = load_sts(sts, block_size=block_size) if sts is not None else None
@@ -38,7 +40,8 @@ def make_policy(name: str, *, block_size: int, sps_table: str | None = None, sts
 
     table = load_sps_table(sps_table)
     if name == "auto":
-        return AutoEngineAdapter(AutoPolicy(table, lag=2, guard=guard), block_size=block_size), transform
+        return (AutoEngineAdapter(AutoPolicy(table, lag=2, guard=guard, **({} if guard_prior is None else {"guard_prior": guard_prior})), block_size=block_size),
+                transform)
     planner = ExactPolicy(table) if name == "exact" else StalePolicy(table, lag=2)
 
     def scheduled(*, confidences, proposal_lengths, row_ids, generations):

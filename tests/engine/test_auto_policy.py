@@ -24,6 +24,7 @@ import torch
 from scipy.stats import chi2, ncx2
 from sglang_hspec.scheduler.policy import AutoPolicy
 from sglang_hspec.scheduler.sps import SpsCostTable, save_sps_table
+from sglang_hspec.scheduler.switch import GUARD_PRIOR
 
 from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.core.sampling import sampling_probs
@@ -94,6 +95,20 @@ def test_only_probes_draft_when_verifying_is_costly(tmp_path):
     assert [i for i, v in enumerate(lengths) if v] == [0, 32]
     assert policy.planner.stats().probes == policy.planner.stats().speculative_steps == 2
     assert len(lengths) == GREEDY.max_new_tokens - 1  # one token per step (the first comes from the prefill)
+
+
+def test_make_policy_hands_the_guard_its_prior(tmp_path):
+    save_sps_table(SpsCostTable(sample_batch_tokens=[1, 2], sample_steps_per_sec=[10.0, 7.7], max_batch_tokens=2,
+                                plain_batch_sizes=[1], plain_steps_per_sec=[10.0], draft_seconds=[0.03]),
+                   tmp_path / "cpu.json")
+    policy, _ = make_policy("auto", block_size=4, sps_table=str(tmp_path / "cpu.json"), guard_prior=4.0)
+    assert policy.planner.guard and policy.planner._rate_guard.prior == 4.0
+    policy, _ = make_policy("auto", block_size=4, sps_table=str(tmp_path / "cpu.json"), guard_prior=32.0)
+    assert policy.planner._rate_guard.prior == 32.0
+    policy, _ = make_policy("auto", block_size=4, sps_table=str(tmp_path / "cpu.json"))
+    assert policy.planner._rate_guard.prior == GUARD_PRIOR
+    with pytest.raises(ValueError, match="need guard_prior > 0"):
+        make_policy("auto", block_size=4, sps_table=str(tmp_path / "cpu.json"), guard_prior=0.0)
 
 
 # ---- distribution at temperature 1 -------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""scripts/bench_policies.py: the order in which each round runs its configurations."""
+"""scripts/bench_policies.py: the order in which each round runs its configurations, and the policy variants."""
 
 import pytest
 
@@ -29,3 +29,14 @@ def test_shuffle_is_a_seeded_permutation_that_moves_every_configuration(bench):
     for c in CONFIGS:
         assert len({o.index(c) for o in rounds}) >= 2
     assert sum(o[0] == ("none", "plain") for o in rounds) <= 3
+
+
+def test_policy_variants_name_the_guard_and_its_prior(bench):
+    assert bench.policy_variant("auto") == ("auto", True, None)
+    assert bench.policy_variant("auto-unguarded") == ("auto", False, None)
+    assert bench.policy_variant("auto-prior4") == ("auto", True, 4.0)
+    assert bench.policy_variant("auto-prior0.5") == ("auto", True, 0.5)
+    assert bench.policy_variant("fixed") == ("fixed", True, None)
+    for bad in ("auto-prior", "auto-prior0", "auto-priorx"):
+        with pytest.raises(SystemExit, match="auto-prior<N> with a prior N > 0"):
+            bench.policy_variant(bad)

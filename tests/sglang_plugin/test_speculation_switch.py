@@ -277,12 +277,15 @@ def test_switch_guard_turns_off_speculation_that_loses_in_wall_time():
     trace = _drive_switch(switch, steps=120, clock=clock, spec_seconds=0.5)
     # each drafting step: 4 committed, 0.5 s x 34.76 = 17.4 predicted, bounded to 4 x 4 = 16. After s of them
     # (all folded by the next decision: their counts are host tensors) the decayed count is m = 0.97 m + 1, and
-    # the switch drafts while (4m + 16) / (16m + 16) x 34.76 > 1.05 x 10
+    # the switch drafts while (4m + P) / (16m + P) x 34.76 > 1.05 x 10, P the guard's prior (4: 4 steps; 16: 17)
+    from sglang_hspec.scheduler.switch import GUARD_PRIOR
+
     m, expected = 0.0, 0
     rate = sum(0.9 ** j for j in range(8)) / (0.01 + 1 / 6.5)
-    while (4 * m + 16) / (16 * m + 16) * rate > 1.05 * 10:
+    while (4 * m + GUARD_PRIOR) / (16 * m + GUARD_PRIOR) * rate > 1.05 * 10:
         m, expected = 0.97 * m + 1, expected + 1
-    assert expected == 17 and trace.index(".") == expected and set(trace[:expected]) == {"S"}
+    assert expected == {4.0: 4, 16.0: 17}[GUARD_PRIOR]
+    assert trace.index(".") == expected and set(trace[:expected]) == {"S"}
     assert set(trace[expected:]) == {".", "P"} and switch.counts["plain"] > 90  # then plain, probing now and then
     assert switch.guard.scale("spec") < 10.5 / rate and switch.guard.scale("plain") == pytest.approx(1.0)
     switch.interrupt()  # a prefill: the open step is dropped, nothing folded
