@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,4,16,32")
     ap.add_argument("--policies", default="fixed,stale,auto",
                     help="comma-separated: fixed, exact, stale, auto, auto-unguarded (auto without its realized-rate "
-                         "guard, scheduler/policy.py), auto-prior<N> (auto with the guard's prior at N tokens per request; default "
-                         "scheduler.switch.GUARD_PRIOR)")
+                         "guard, scheduler/policy.py), auto-prior<N> (auto with the guard's prior at N tokens per "
+                         "request; default scheduler.switch.GUARD_PRIOR)")
     ap.add_argument("--dataset", default="mtbench", help="prompt set (sglang_hspec/assets/prompts.py), e.g. gsm8k")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -33,7 +33,8 @@ batches: a lever that keeps it equal changes the speed only). Rows:
 Prints the CPU model, its flags that matter (avx2 / avx512f / avx512_bf16 / amx_bf16), torch's
 capability string, the ISA caps set in the environment (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2` runs an AVX-512 machine as an AVX2-only one), threads, the load average (a shared
-machine makes every number provisional) and the dtype; writes the rows to <out>/bench_train.json and a bar chart to <out>/bench_train.png.
+machine makes every number provisional) and the dtype; writes the rows to <out>/bench_train.json and a bar
+chart to <out>/bench_train.png.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu: {cpu_model()} | flags: {' '.join(f for f in SPEED_FLAGS if f in flags)}"
           f" | torch capability {torch.backends.cpu.get_cpu_capability()} | threads {torch.get_num_threads()}"
           f" | load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
-          + (f" | ISA capped by {isa_caps()}" if isa_caps() else ""))
+          + (f" | ISA capped by {caps}" if (caps := isa_caps()) else ""))
     dtype = resolve_dtype(base_cfg.model.target_dtype, "cpu")
     print(f"dtype: fp32 except the bf16 rows (the recipe's target_dtype={base_cfg.model.target_dtype} would pick "
           f"{dtype} here); bf16 native on this CPU: {native_bf16} | "
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['x_blocks']:>7.2f}x {r['loss']:>8.4f}")
     for note in cache_notes:
         print(note)
-    payload = {"cpu": cpu_model(), "isa_caps": isa_caps(), "flags": sorted(f for f in flags if "avx" in f or "amx" in f),
+    payload = {"cpu": cpu_model(), "isa_caps": isa_caps(),
+               "flags": sorted(f for f in flags if "avx" in f or "amx" in f),
                "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
                "loadavg": os.getloadavg(), "dtype": str(dtype), "steps": args.steps, "config": args.config,
                "overrides": common, "cache": cache_notes, "rows": results}

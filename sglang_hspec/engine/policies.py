@@ -9,7 +9,8 @@ import torch
 
 
 def make_policy(name: str, *, block_size: int, sps_table: str | None = None, sts: str | None = None,
-                guard: bool = True, guard_prior: float | None = None) -> tuple[Callable, Callable[[torch.Tensor], torch.Tensor]]:
+                guard: bool = True, guard_prior: float | None = None
+                ) -> tuple[Callable, Callable[[torch.Tensor], torch.Tensor]]:
     """(policy, confidence transform) for `SpeculativeEngine`.
 
     fixed: verify the whole proposal. exact: DSpark's Algorithm 1 with early stop on this step's
@@ -37,11 +38,13 @@ def make_policy(name: str, *, block_size: int, sps_table: str | None = None, sts
                          "and pass --sps-table sps.json")
     from sglang_hspec.scheduler.policy import AutoPolicy, ExactPolicy, StalePolicy
     from sglang_hspec.scheduler.sps import load_sps_table
+    from sglang_hspec.scheduler.switch import GUARD_PRIOR
 
     table = load_sps_table(sps_table)
     if name == "auto":
-        return (AutoEngineAdapter(AutoPolicy(table, lag=2, guard=guard, **({} if guard_prior is None else {"guard_prior": guard_prior})), block_size=block_size),
-                transform)
+        prior = GUARD_PRIOR if guard_prior is None else guard_prior
+        policy = AutoPolicy(table, lag=2, guard=guard, guard_prior=prior)
+        return AutoEngineAdapter(policy, block_size=block_size), transform
     planner = ExactPolicy(table) if name == "exact" else StalePolicy(table, lag=2)
 
     def scheduled(*, confidences, proposal_lengths, row_ids, generations):

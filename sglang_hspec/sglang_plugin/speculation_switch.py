@@ -190,8 +190,8 @@ class SpeculationSwitch:
 
     def __init__(self, *, policy: str, costs, block_size: int, req_pool_size: int, min_survival: float,
                  margin: float = 0.05, initial_probe_interval: int = 4, max_probe_interval: int = 256,
-                 guard: bool = True, guard_prior: float | None = None, guard_decay: float = 0.97, guard_token_lag: int = 8,
-                 clock=time.perf_counter):
+                 guard: bool = True, guard_prior: float | None = None, guard_decay: float = 0.97,
+                 guard_token_lag: int = 8, clock=time.perf_counter):
         if policy not in POLICIES:
             raise ValueError(f"unknown speculation policy {policy!r}; use one of {', '.join(POLICIES)}")
         if policy == "auto" and costs is None:
@@ -212,7 +212,8 @@ class SpeculationSwitch:
         self.ratios = torch.ones(block_size, dtype=torch.float64)
         self.last_decision = None
         self.counts = {"draft": 0, "probe": 0, "plain": 0}
-        self.guard = (RateGuard(prior=GUARD_PRIOR if guard_prior is None else guard_prior, decay=guard_decay, token_lag=guard_token_lag, clock=clock)
+        prior = GUARD_PRIOR if guard_prior is None else guard_prior
+        self.guard = (RateGuard(prior=prior, decay=guard_decay, token_lag=guard_token_lag, clock=clock)
                       if guard and policy == "auto" else None)
         self._guard_step: list | None = None  # the open step's handle
         self._readback = AsyncSums(capacity=max(1, guard_token_lag))  # drafting steps' committed tokens

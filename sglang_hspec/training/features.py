@@ -18,8 +18,8 @@ Layout of `data.feature_cache` (a directory):
 
 Disk cost per token: ((n_ids + 1) * d + 2 * n_kv * kv_heads * head_dim) values plus the 4-byte
 log-partition (`bytes_per_token`); the SmolLM2 H-Spec recipe (5 hidden ids, 3 KV layers, d 576, 3 x 64 KV)
-stores 4608 values: 18.4 KB per token in fp32, 9.2 KB in bf16, i.e. at most 5.7 GB (fp32) for the 600 sequences x <=512 tokens of its
-300 steps. Shards are written atomically (temp file + os.replace): a killed run leaves whole shards only.
+stores 4608 values: 18.4 KB per token in fp32, 9.2 KB in bf16, i.e. at most 5.7 GB (fp32) for the 600
+sequences x <=512 tokens of its 300 steps. Shards are written atomically (temp file + os.replace): a killed run leaves whole shards only.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ class FeatureCache:
         tensors = {n: t.detach().to(device="cpu", dtype=self.dtype).contiguous() for n, t in tensors.items()}
         if log_partition is not None:
             if log_partition.shape != final_hidden.shape[:1]:
-                raise ValueError(f"log_partition must be [T={final_hidden.shape[0]}], got {tuple(log_partition.shape)}")
+                raise ValueError(f"log_partition must be [T={final_hidden.shape[0]}], "
+                                 f"got {tuple(log_partition.shape)}")
             tensors["log_partition"] = log_partition.detach().to(device="cpu", dtype=torch.float32).contiguous()
         path = self._path(key)
 
@@ -190,7 +191,8 @@ class FeatureCache:
             for b, s in enumerate(shards):
                 log_partition[b, : s["log_partition"].shape[0]] = s["log_partition"]
             log_partition = log_partition.to(device)
-        return TargetFeatures(hidden=hidden, kv=kv, final_hidden=stack("final_hidden", 0), log_partition=log_partition)
+        return TargetFeatures(hidden=hidden, kv=kv, final_hidden=stack("final_hidden", 0),
+                              log_partition=log_partition)
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.shards.glob("*.safetensors"))

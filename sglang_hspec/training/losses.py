@@ -134,8 +134,8 @@ class TargetProbs:
 
 
 @torch.no_grad()
-def lm_head_log_partition(*, hidden: torch.Tensor, lm_head_weight: torch.Tensor, lm_head_bias: torch.Tensor | None = None,
-                  chunk_rows: int = 2048) -> torch.Tensor:
+def lm_head_log_partition(*, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                          lm_head_bias: torch.Tensor | None = None, chunk_rows: int = 2048) -> torch.Tensor:
     """[...] float32 logsumexp of the full-vocabulary logits lm_head(hidden) of every position (the log of
     the softmax normaliser), computed a chunk of rows at a time."""
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -156,8 +156,8 @@ def target_draft_probs(
     [..., d] and the target's LM head (then no [positions, V] logits tensor beyond one chunk is held).
     Row for row the same float32 softmax as `per_slot_terms`, so the loss does not change.
 
-    With `hidden` and its `log_partition` [...] (`lm_head_log_partition` of the same hidden, e.g. from the feature
-    cache), only the draft-vocabulary rows of the LM head run: p_t[d2t[i]] = exp(logit_i - log_partition),
+    With `hidden` and its `log_partition` [...] (`lm_head_log_partition` of the same hidden, e.g. from the
+    feature cache), only the draft-vocabulary rows of the LM head run: p_t[d2t[i]] = exp(logit_i - log_partition),
     the same softmax up to float rounding at V_d / V of the matmul (1/6 for SmolLM2's 8,192 of 49,152)."""
     if (logits is None) == (hidden is None):
         raise ValueError("pass exactly one of logits and hidden (with lm_head_weight)")
