@@ -194,10 +194,11 @@ def run_side_by_side(engine_by_name: dict, prompts: list[list[int]], sampling, *
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'drafter':<14} {'tau':>5} {'step cost':>9} {'tokens':>6} {'tok/s':>7} {'speedup':>8}  same-as-plain"
+    width = max([14, *(len(r["drafter"]) for r in rows)])
+    head = f"{'drafter':<{width}} {'tau':>5} {'step cost':>9} {'tokens':>6} {'tok/s':>7} {'speedup':>8}  same-as-plain"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['drafter']:<14} {r['tau']:>5.2f} {r.get('step_cost', 0.0):>9.2f} {r['tokens']:>6d} "
+        lines.append(f"{r['drafter']:<{width}} {r['tau']:>5.2f} {r.get('step_cost', 0.0):>9.2f} {r['tokens']:>6d} "
                      f"{r['tokens_per_second']:>7.1f} {r['speedup']:>7.2f}x  {r['same_as_plain']}")
     return "\n".join(lines)
 

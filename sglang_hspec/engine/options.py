@@ -17,8 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None =
                         "tokens share its forward), so that bf16 greedy speculation is token-identical to plain "
                         "decoding; slower (docs/results.md, 'bf16 greedy identity')")
     p.add_argument("--drafter", default=drafter_default,
-                   help="none | ngram | shipped | a drafter checkpoint directory (default: the shipped H-Spec "
-                        "drafter on the embedded target, else ngram)")
+                   help="none | ngram | shipped | a drafter checkpoint directory; append +lookup to splice prompt "
+                        "lookup into a learned drafter (default: shipped+lookup on the embedded target, else ngram)")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
     p.add_argument("--policy", default="fixed", choices=["fixed", "exact", "stale", "auto"],
                    help="verify-length policy: fixed = whole block; exact / stale = SPS-aware prefix scheduler; "

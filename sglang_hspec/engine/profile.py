@@ -105,10 +105,11 @@ def make_step_fn(*, max_batch_tokens: int, tokens_per_request: int = 8, target: 
 
 def _load_drafter(spec: str, adapter: TargetAdapter, target: str):
     """The drafter whose propose forward is timed, or None ('none', or 'default' off the embedded target)."""
-    from sglang_hspec.engine.loading import default_drafter_spec, load_drafter_spec
+    from sglang_hspec.engine.loading import LOOKUP_SUFFIX, default_drafter_spec, load_drafter_spec
 
     if spec == "default":
         spec = default_drafter_spec() if target == "embedded" else "none"
+    spec = spec.removesuffix(LOOKUP_SUFFIX)  # the lookup is no forward (~40 us of host work per row): time the drafter
     if spec == "none":
         return None
     model = load_drafter_spec(spec, adapter)

@@ -439,7 +439,7 @@ def plot_alpha(payloads: list[dict], path: str | Path, *, min_attempts: int = 10
 
 
 def run_cli(args) -> int:
-    from sglang_hspec.engine.loading import default_drafter_spec, load_drafter_spec
+    from sglang_hspec.engine.loading import LOOKUP_SUFFIX, default_drafter_spec, load_drafter_spec
     from sglang_hspec.engine.options import check_engine_flags
     from sglang_hspec.engine.policies import make_policy
     from sglang_hspec.target.loading import load_target
@@ -456,6 +456,10 @@ def run_cli(args) -> int:
         raise ValueError(f"--drafter/--compare: the same drafter is given twice ({specs}); compare different ones")
     for spec in specs:  # before the target loads: a bad flag combination fails at once
         check_engine_flags(args, spec)
+        if args.record_confidence and spec.endswith(LOOKUP_SUFFIX):
+            raise ValueError(f"--record-confidence records a confidence head for STS, and the spliced slots of {spec} "
+                             f"carry a fixed confidence: record with --drafter {spec.removesuffix(LOOKUP_SUFFIX)} "
+                             "(the drafter alone)")
     prompts = load_eval_prompts(datasets=args.datasets, prompts_file=args.prompts, limit=args.limit)
     adapter = load_target(args.target, dtype=args.dtype, batch_invariant=args.batch_invariant)
     drafters = [load_drafter_spec(spec, adapter, block_size=args.block_size) for spec in specs]

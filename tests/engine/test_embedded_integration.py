@@ -41,7 +41,7 @@ def test_shipped_hspec_drafter_is_lossless_and_accepts(embedded_adapter_fp32):
     from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR, default_drafter_spec, load_drafter_spec
 
     adapter = embedded_adapter_fp32
-    assert default_drafter_spec() == str(SHIPPED_DRAFTER_DIR)
+    assert default_drafter_spec() == str(SHIPPED_DRAFTER_DIR) + "+lookup"
     drafter = load_drafter_spec("shipped", adapter)
     assert drafter.name == "hspec" and drafter.block_size == 7
     assert next(drafter.parameters()).dtype == adapter.dtype  # bf16 checkpoint runs in the target's dtype
@@ -54,3 +54,12 @@ def test_shipped_hspec_drafter_is_lossless_and_accepts(embedded_adapter_fp32):
     steps = sum(r.stats.num_steps for r in spec)
     tau = sum(sum(r.stats.accept_lengths) for r in spec) / steps
     assert tau > 1.1  # a trained drafter: a random one stays at ~1.0
+    # the default splices prompt lookup into it: still lossless, and the spliced blocks accept more
+    spliced = load_drafter_spec(default_drafter_spec(), adapter)
+    assert spliced.name == "hspec+lookup"
+    with_lookup = SpeculativeEngine(adapter, spliced).generate(prompts, params)
+    assert [r.output_ids for r in with_lookup] == [r.output_ids for r in plain]
+    assert spliced.spliced_rows > 0
+    tau_lookup = sum(sum(r.stats.accept_lengths) for r in with_lookup) / sum(r.stats.num_steps for r in with_lookup)
+    print(f"tau {tau:.3f} drafter alone, {tau_lookup:.3f} with lookup; {spliced.spliced_rows} spliced blocks")
+    assert tau_lookup >= tau

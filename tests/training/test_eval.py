@@ -127,6 +127,25 @@ def test_eval_bad_inputs(setup, capsys):
     assert "--compare" in capsys.readouterr().err
     assert main([*base, "--drafter", "ngram", "--compare", "ngram"]) == 2
     assert "the same drafter is given twice" in capsys.readouterr().err
+    drafter = str(root / "drafter")
+    assert main([*base, "--drafter", drafter + "+lookup", "--record-confidence", str(root / "x")]) == 2
+    assert f"record with --drafter {drafter} (the drafter alone)" in capsys.readouterr().err
+    assert not (root / "x").exists()
+    assert main([*base, "--drafter", "ngram+lookup"]) == 2
+    assert "splices lookup into a learned drafter" in capsys.readouterr().err
+
+
+def test_eval_splices_lookup_into_a_drafter_losslessly(setup):
+    """`<drafter>+lookup` on the tiny target: every greedy output identical to plain decoding, labelled
+    hspec+lookup."""
+    root, target_dir = setup
+    out = root / "lookup.json"
+    assert main(["eval", "--target", str(target_dir), "--dtype", "fp32", "--prompts", str(root / "prompts.jsonl"),
+                 "--no-progress", "--max-new-tokens", "12", "--temperature", "0", "--drafter",
+                 str(root / "drafter") + "+lookup", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["drafter"] == "hspec+lookup"
+    assert all(r["identical_to_plain"] for r in run["results"])
 
 
 def test_distinct_labels_number_repeated_kinds():
