@@ -113,15 +113,14 @@ def splice_engine(target, *, seed=1):
 
 
 def test_greedy_equals_plain_decoding_and_splices(target):
+    """Three rows in one batch, spliced on some steps and not on others."""
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     prompts = [PROMPT, [3, 1, 0, 3, 1], [2, 2, 2, 1]]
-    plain = SpeculativeEngine(TargetAdapter(target), make_drafter("hspec", target), eos_token_ids=[])
     engine = splice_engine(target)
     spliced = engine.generate(prompts, params)
-    assert engine.drafter.spliced_rows > 0
-    reference = SpeculativeEngine(TargetAdapter(target), NoDrafter(), eos_token_ids=[]).generate(prompts, params)
-    assert [r.output_ids for r in spliced] == [r.output_ids for r in reference]
-    assert [r.output_ids for r in plain.generate(prompts, params)] == [r.output_ids for r in reference]
+    assert 0 < engine.drafter.spliced_rows < engine.drafter.proposed_rows
+    plain = SpeculativeEngine(TargetAdapter(target), NoDrafter(), eos_token_ids=[]).generate(prompts, params)
+    assert [r.output_ids for r in spliced] == [r.output_ids for r in plain]
 
 
 def plain_law(target, params) -> dict[tuple[int, ...], float]:
