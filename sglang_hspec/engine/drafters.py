@@ -24,6 +24,17 @@ class NoDrafter:
         pass
 
 
+def latest_match(seq: list[int], *, max_ngram: int, min_ngram: int) -> tuple[int, int] | None:
+    """(start, n) of the most recent earlier occurrence of seq's last n tokens, longest n first (n =
+    max_ngram .. min_ngram), that has at least one token after it; None when there is none."""
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        tail = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == tail:
+                return start, n
+    return None
+
+
 class NGramDrafter:
     """Prompt-lookup decoding: find the most recent earlier occurrence of the last n tokens
     (n = max_ngram .. min_ngram) in the request's history and propose what followed it."""
@@ -41,13 +52,11 @@ class NGramDrafter:
         self.min_ngram = min_ngram
 
     def _lookup(self, seq: list[int]) -> list[int]:
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            tail = seq[-n:]
-            # most recent earlier match whose continuation exists
-            for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == tail:
-                    return seq[start + n:start + n + self.block_size]
-        return []
+        match = latest_match(seq, max_ngram=self.max_ngram, min_ngram=self.min_ngram)
+        if match is None:
+            return []
+        start, n = match
+        return seq[start + n:start + n + self.block_size]
 
     def propose(self, ctx: DraftContext, sampling: SamplingParams, generator=None) -> DraftProposal:
         if ctx.token_history is None:
@@ -156,15 +165,14 @@ class LookupSpliceDrafter:
         """block_size tokens copied from after the most recent earlier occurrence of seq's last n tokens
         (longest n first); empty when there is none. The copy may run into the tokens it has just
         copied (as LZ77 does), so a loop of period p continues for the whole block, not p tokens."""
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            tail = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == tail:
-                    copied = list(seq)
-                    for pos in range(start + n, start + n + self.block_size):
-                        copied.append(copied[pos])
-                    return copied[len(seq):]
-        return []
+        match = latest_match(seq, max_ngram=self.max_ngram, min_ngram=self.min_ngram)
+        if match is None:
+            return []
+        start, n = match
+        copied = list(seq)
+        for pos in range(start + n, start + n + self.block_size):
+            copied.append(copied[pos])
+        return copied[len(seq):]
 
     def lookups(self, histories: list[list[int]], anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's continuation [B, block_size] (zeros where none) and whether it found one [B]."""
