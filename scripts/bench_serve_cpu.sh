@@ -11,6 +11,9 @@
 #                 (the first launch profiles a second, never-drafting server for them); its switch corrects
 #                 the predicted rates by the realized ones (HSPEC_SPECULATION_GUARD, on by default)
 #   HSPEC+auto-unguarded   HSPEC+auto with HSPEC_SPECULATION_GUARD=0 (the table and the estimates alone)
+#   HSPEC+lookup  HSPEC with prompt lookup spliced into its blocks (HSPEC_LOOKUP=1), which needs
+#                 --disable-overlap-schedule (sglang_hspec/sglang_plugin/lookup_splice.py)
+#   HSPEC-no-overlap   HSPEC with --disable-overlap-schedule: HSPEC+lookup's control
 # The servers run side by side but the benchmark drives one at a time; --sleep-on-idle keeps the idle ones
 # off the cores (SGLang's scheduler loop otherwise polls at full speed). MT-Bench closed loop; the first
 # server named is the baseline of the 'vs' column.
@@ -71,7 +74,11 @@ for name in "${names[@]}"; do
     HSPEC+auto-unguarded) launch HSPEC_auto_unguarded $port sglang_cpu_testing,hspec SGLANG_RAGGED_VERIFY_MODE=compact \
                   HSPEC_AUTO_PROFILE_SPS=1 HSPEC_SPECULATION=auto HSPEC_SPECULATION_GUARD=0 "${profile_env[@]}" -- \
                   "${spec[@]}" "${sts[@]}" ;;
-    *) echo "unknown server $name (none, HSPEC, HSPEC+SPS, HSPEC+auto, HSPEC+auto-unguarded)"; exit 2 ;;
+    HSPEC+lookup) launch HSPEC_lookup $port sglang_cpu_testing,hspec HSPEC_LOOKUP=1 -- "${spec[@]}" \
+                    --disable-overlap-schedule ;;
+    HSPEC-no-overlap) launch HSPEC_no_overlap $port sglang_cpu_testing,hspec -- "${spec[@]}" --disable-overlap-schedule ;;
+    *) echo "unknown server $name (none, HSPEC, HSPEC+SPS, HSPEC+auto, HSPEC+auto-unguarded, HSPEC+lookup," \
+         "HSPEC-no-overlap)"; exit 2 ;;
   esac
   compare+=("$name=http://127.0.0.1:$port")
 done

@@ -128,26 +128,64 @@ class SkewedDrafter:
 BUILTIN_DRAFTERS = ("none", "ngram")
 
 
+class PromptLookup:
+    """Prompt lookup for splicing: block_size tokens copied from after the most recent earlier occurrence
+    of a sequence's last n tokens (longest n first). The copy may run into the tokens it has just copied
+    (as LZ77 does), so a loop of period p continues for the whole block, not p tokens."""
+
+    def __init__(self, block_size: int, *, max_ngram: int = 3, min_ngram: int = 1):
+        if block_size < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs block_size >= 1 and 1 <= min_ngram <= max_ngram, got "
+                             f"{block_size}, {min_ngram}, {max_ngram}")
+        self.block_size, self.max_ngram, self.min_ngram = block_size, max_ngram, min_ngram
+
+    def continuation(self, seq: list[int]) -> list[int]:
+        """block_size tokens, or [] when no earlier occurrence of any tail of seq exists."""
+        match = latest_match(seq, max_ngram=self.max_ngram, min_ngram=self.min_ngram)
+        if match is None:
+            return []
+        start, n = match
+        copied = list(seq)
+        for pos in range(start + n, start + n + self.block_size):
+            copied.append(copied[pos])
+        return copied[len(seq):]
+
+    def continuations(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's continuation [B, block_size] (zeros where none) and whether it found one [B]."""
+        looked = torch.zeros((len(seqs), self.block_size), dtype=torch.long)
+        found = torch.zeros(len(seqs), dtype=torch.bool)
+        for r, seq in enumerate(seqs):
+            cont = self.continuation(seq)
+            if cont:
+                looked[r] = torch.tensor(cont)
+                found[r] = True
+        return looked, found
+
+
+def splice_lookup(*, drafted: torch.Tensor, looked: torch.Tensor, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks [B, k] with slots 2..k taken from the lookup where its first token is the drafter's own
+    slot-1 token, and that mask [B]. Shared by the engine (LookupSpliceDrafter) and the SGLang worker."""
+    splice = found & (looked[:, 0] == drafted[:, 0])
+    return torch.where(splice[:, None], looked.to(drafted.dtype), drafted), splice
+
+
 class LookupSpliceDrafter:
-    """A learned drafter with prompt lookup spliced in. The lookup copies what followed the most recent
-    earlier occurrence of the history's tail (n = max_ngram .. min_ngram tokens, longest first); where
-    its first token is the drafter's own slot-1 token, the rest of the block is the lookup's copy. A
-    lookup that agrees with the drafter on slot 1 is seldom a coincidence, and once right it runs on
-    far longer than a block-parallel drafter (docs/results.md, "Prompt lookup spliced into the
-    drafter"). Other rows keep the drafter's block. The lookup reads only the history, never the
-    drafter's output, so a server can compute it while the drafter runs and splice without a device
+    """A learned drafter with prompt lookup spliced in (PromptLookup over the history and the anchor):
+    where the lookup's first token is the drafter's own slot-1 token, the rest of the block is the
+    lookup's copy. A lookup that agrees with the drafter on slot 1 is seldom a coincidence, and once
+    right it runs on far longer than a block-parallel drafter (docs/results.md, "Prompt lookup spliced
+    into the drafter"). Other rows keep the drafter's block. The lookup reads only the history, never
+    the drafter's output, so a server can compute it while the drafter runs and splice without a device
     sync. Lossless at any temperature: slot 1 is the drafter's own draw under its own q, and given that
     token every spliced slot is a deterministic function of the history, so its q is one-hot."""
 
     def __init__(self, drafter, *, max_ngram: int = 3, min_ngram: int = 1, lookup_confidence: float = 0.8):
         if getattr(drafter, "extend_context", None) is not None:
             raise ValueError(f"lookup splicing needs a drafter without a drafter-side KV cache; {drafter.name} has one")
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"lookup splicing needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if not 0.0 < lookup_confidence < 1.0:
             raise ValueError(f"lookup_confidence must lie in (0, 1), got {lookup_confidence}")
         self.drafter = drafter
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.lookup = PromptLookup(drafter.block_size, max_ngram=max_ngram, min_ngram=min_ngram)
         self.name = f"{drafter.name}+lookup"
         self.block_size = drafter.block_size
         self.target_layer_ids = drafter.target_layer_ids
@@ -161,45 +199,20 @@ class LookupSpliceDrafter:
         self.proposed_rows = 0
         self.last_spliced = torch.zeros(0, dtype=torch.bool)  # [B] of the latest propose
 
-    def continuation(self, seq: list[int]) -> list[int]:
-        """block_size tokens copied from after the most recent earlier occurrence of seq's last n tokens
-        (longest n first); empty when there is none. The copy may run into the tokens it has just
-        copied (as LZ77 does), so a loop of period p continues for the whole block, not p tokens."""
-        match = latest_match(seq, max_ngram=self.max_ngram, min_ngram=self.min_ngram)
-        if match is None:
-            return []
-        start, n = match
-        copied = list(seq)
-        for pos in range(start + n, start + n + self.block_size):
-            copied.append(copied[pos])
-        return copied[len(seq):]
-
-    def lookups(self, histories: list[list[int]], anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's continuation [B, block_size] (zeros where none) and whether it found one [B]."""
-        looked = torch.zeros((len(histories), self.block_size), dtype=torch.long)
-        found = torch.zeros(len(histories), dtype=torch.bool)
-        for r, (hist, anchor) in enumerate(zip(histories, anchors)):
-            cont = self.continuation(list(hist) + [anchor])
-            if cont:
-                looked[r] = torch.tensor(cont)
-                found[r] = True
-        return looked, found
-
     def propose(self, ctx: DraftContext, sampling: SamplingParams, generator=None) -> DraftProposal:
         if ctx.token_history is None:
             raise ValueError("lookup splicing needs ctx.token_history")
-        looked, found = self.lookups(ctx.token_history, ctx.anchor_tokens.tolist())
+        looked, found = self.lookup.continuations(
+            [list(hist) + [anchor] for hist, anchor in zip(ctx.token_history, ctx.anchor_tokens.tolist())])
         proposal = self.drafter.propose(ctx, sampling, generator)
         drafted = proposal.tokens
         b, k = drafted.shape
-        looked, found = looked.to(drafted.device), found.to(drafted.device)
-        splice = found & (looked[:, 0] == drafted[:, 0])
+        tokens, splice = splice_lookup(drafted=drafted, looked=looked.to(drafted.device), found=found.to(drafted.device))
         self.proposed_rows += b
         self.spliced_rows += int(splice.sum())
         self.last_spliced = splice.cpu()
         if not bool(splice.any()):
             return proposal
-        tokens = torch.where(splice[:, None], looked, drafted)
         lengths = None
         if proposal.lengths is not None:  # a spliced block is always whole
             lengths = torch.where(splice, k, proposal.lengths.to(drafted.device))

@@ -148,6 +148,10 @@ def validate_server_args(server_args: Any) -> None:
         raise ValueError("HSPEC does not support prefill/decode disaggregation yet; drop --disaggregation-mode")
     if getattr(server_args, "enable_unified_memory", False):
         raise ValueError("HSPEC does not support --enable-unified-memory")
+    from .lookup_splice import check_lookup_server_args, lookup_enabled
+
+    if lookup_enabled():
+        check_lookup_server_args(server_args)
     kv_dtype = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
     if kv_dtype not in READABLE_KV_CACHE_DTYPES:
         raise ValueError(f"HSPEC does not support --kv-cache-dtype {kv_dtype}: the drafter reads the target's KV "

@@ -38,6 +38,7 @@ from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang_hspec.model import hspec as _hspec_model
 
 from .context import ContextState, drafter_kv_bytes_saved, prefill_last_rows, verify_commit_rows
+from .lookup_splice import LOOKUP_ENV, lookup_enabled, splice_lookup_into_argmax_blocks
 from .plain_step import anchor_window, draw_anchor_bonus, plain_step_forward
 from .speculation_policy import speculation_guard, speculation_policy
 from .speculation_switch import (
@@ -170,6 +171,10 @@ class HSpecWorkerV2(DSparkWorkerV2):
         self._speculation_policy = speculation_policy()
         self._switch: SpeculationSwitch | None = None
         greedy_drafts_for_greedy_batches(self._proposer)
+        self._lookup = None  # prompt lookup spliced into argmax-drafted blocks (HSPEC_LOOKUP=1, lookup_splice.py)
+        if lookup_enabled():
+            self._lookup = splice_lookup_into_argmax_blocks(self._proposer, block_size=int(self._proposer.gamma))
+            logger.info("HSPEC: prompt lookup spliced into argmax-drafted blocks (%s=1)", LOOKUP_ENV)
         self._anchor_only_proposer = AnchorOnlyProposer(self._proposer)
         self._anchor_only_planner = AnchorOnlyPlanner(self._verify_planner, model_runner=self.model_runner)
         budget_planner = getattr(self._verify_planner, "_budget_planner", None)

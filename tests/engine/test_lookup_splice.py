@@ -62,14 +62,14 @@ def test_continuation_copies_after_the_latest_longest_match():
     splice = LookupSpliceDrafter(StubDrafter([[0] * 4], vocab=10), max_ngram=3)
     # tail [8, 5, 6] has no earlier occurrence; [5, 6] occurs at 0 and 3, the latest wins: the copy from
     # position 5 reads [8, 5, 6], then runs on into what it has just copied (8 again), as the loop would
-    assert splice.continuation([5, 6, 7, 5, 6, 8, 5, 6]) == [8, 5, 6, 8]
-    assert splice.continuation([4, 4]) == [4, 4, 4, 4]  # a loop of period 1
-    assert splice.continuation([1, 2, 3]) == []  # no token repeats
+    assert splice.lookup.continuation([5, 6, 7, 5, 6, 8, 5, 6]) == [8, 5, 6, 8]
+    assert splice.lookup.continuation([4, 4]) == [4, 4, 4, 4]  # a loop of period 1
+    assert splice.lookup.continuation([1, 2, 3]) == []  # no token repeats
     longest_first = LookupSpliceDrafter(StubDrafter([[0] * 4], vocab=10), max_ngram=2)
     # [1, 2] at 3 is followed by 3; [2] alone at 1 by 9, but the longer n is tried first
-    assert longest_first.continuation([9, 2, 9, 1, 2, 3, 1, 2]) == [3, 1, 2, 3]
+    assert longest_first.lookup.continuation([9, 2, 9, 1, 2, 3, 1, 2]) == [3, 1, 2, 3]
     shortest = LookupSpliceDrafter(StubDrafter([[0] * 4], vocab=10), max_ngram=2, min_ngram=2)
-    assert shortest.continuation([7, 2, 9, 2]) == []  # only [2] repeats, shorter than min_ngram
+    assert shortest.lookup.continuation([7, 2, 9, 2]) == []  # only [2] repeats, shorter than min_ngram
 
 
 def test_splice_replaces_slots_after_the_first_and_makes_their_q_one_hot():

@@ -98,3 +98,48 @@ def test_accept_length_matches_reference_engine_tau(embedded_prompts, hspec_run,
     # identical drafts and greedy verify: the step counts agree request by request (a one-step slack for a
     # draft near-tie between SGLang's and the engine's float32 drafter forward)
     assert all(abs(a - b) <= 1 for a, b in zip(steps_sglang, steps_ref)), (steps_sglang, steps_ref)
+
+
+@pytest.fixture(scope="module")
+def hspec_lookup_run(embedded_prompts, tmp_path_factory):
+    """An HSPEC server with prompt lookup spliced in (HSPEC_LOOKUP=1, overlap off as it requires)."""
+    from sglang_cpu import server as cpu_server
+
+    from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR
+
+    target, prompts = embedded_prompts
+    srv = cpu_server.launch(target, log_path=tmp_path_factory.mktemp("embedded_hspec_lookup") / "server.log",
+                            plugins=("sglang_cpu_testing", "hspec"), env_extra={"HSPEC_LOOKUP": "1"},
+                            args=["--speculative-algorithm", "HSPEC", "--disable-overlap-schedule",
+                                  "--speculative-draft-model-path", str(SHIPPED_DRAFTER_DIR)])
+    try:
+        outs = srv.generate(prompts, MAX_NEW)
+    finally:
+        srv.stop()
+    return {"outs": outs, "log": srv.log()}
+
+
+def test_lookup_splice_serves_what_the_reference_engine_splices(embedded_prompts, hspec_lookup_run, hspec_run):
+    """HSPEC_LOOKUP=1 against the reference engine's `shipped+lookup` on the same prompts: the same outputs
+    (plain greedy's, as the drafter-only server's), the same verify steps per request (a one-step slack for a
+    float32 draft near-tie, as above), so the same splices; and more tokens per step than the drafter alone."""
+    from sglang_hspec.core.types import SamplingParams
+    from sglang_hspec.engine.engine import SpeculativeEngine
+    from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR, load_drafter_spec
+    from sglang_hspec.target.loading import load_target
+
+    _, prompts = embedded_prompts
+    adapter = load_target("embedded", dtype="float32")
+    drafter = load_drafter_spec(str(SHIPPED_DRAFTER_DIR) + "+lookup", adapter)
+    ref = SpeculativeEngine(adapter, drafter).generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    assert drafter.spliced_rows > 0
+    outs = hspec_lookup_run["outs"]
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in hspec_run["outs"]]
+    assert [r.output_ids for r in ref] == [o["output_ids"] for o in outs]
+    steps_sglang = [o["meta_info"]["spec_verify_ct"] for o in outs]
+    steps_ref = [r.stats.num_steps for r in ref]
+    print(f"verify steps with lookup: sglang={steps_sglang} ref={steps_ref}; without: "
+          f"{[o['meta_info']['spec_verify_ct'] for o in hspec_run['outs']]}")
+    assert all(abs(a - b) <= 1 for a, b in zip(steps_sglang, steps_ref)), (steps_sglang, steps_ref)
+    assert sum(steps_sglang) < sum(o["meta_info"]["spec_verify_ct"] for o in hspec_run["outs"])
+    assert "prompt lookup spliced into argmax-drafted blocks" in hspec_lookup_run["log"]

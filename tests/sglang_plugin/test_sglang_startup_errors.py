@@ -48,13 +48,13 @@ def ckpts(tmp_path_factory):
 
 
 def launch_and_fail(target: Path, args: list[str], *, plugins=BOTH_PLUGINS, pythonpath_extra: Path | None = None,
-                    log: Path) -> tuple[int, str, float]:
+                    env_extra: dict[str, str] | None = None, log: Path) -> tuple[int, str, float]:
     """Run the real launcher as the CPU tier does (tests/sglang_cpu/server.py: a fork of its zygote, which
     has imported the third-party packages but not sglang), expecting it to stop on its own: (exit code,
     output, seconds). Never leaves a process behind."""
     from sglang_cpu import server as cpu_server
 
-    env = cpu_server.cpu_env(plugins=plugins)
+    env = {**cpu_server.cpu_env(plugins=plugins), **(env_extra or {})}
     if pythonpath_extra is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath_extra), env["PYTHONPATH"]])
     argv = ["--model-path", str(target), "--device", "cpu", "--host", "127.0.0.1", "--port",
@@ -140,6 +140,16 @@ def test_draft_model_path_not_given(ckpts, tmp_path):
     assert_stopped_at_argument_resolution(rc, out)
     assert last_line(out) == ("ValueError: --speculative-algorithm HSPEC requires --speculative-draft-model-path "
                               "<H-Spec drafter checkpoint>")
+
+
+def test_lookup_splice_with_overlap_scheduling(ckpts, tmp_path):
+    """HSPEC_LOOKUP=1 reads the host's token history, stale by a step under overlap scheduling (the default)."""
+    rc, out, _ = launch_and_fail(ckpts["target"], ["--speculative-draft-model-path", str(ckpts["hspec"])],
+                                 env_extra={"HSPEC_LOOKUP": "1"}, log=tmp_path / "launch.log")
+    assert_stopped_at_argument_resolution(rc, out)
+    assert last_line(out) == ("ValueError: HSPEC_LOOKUP=1 reads each request's token history on the host, which "
+                              "under overlap scheduling lags the device by one step: launch with "
+                              "--disable-overlap-schedule, or drop HSPEC_LOOKUP")
 
 
 def fake_installed_version(root: Path, dist: str, version: str) -> Path:
