@@ -58,12 +58,12 @@ def splice_lookup_into_argmax_blocks(proposer, *, block_size: int) -> PromptLook
 
     @functools.wraps(propose)
     def propose_with_lookup(*args, batch, **kwargs):
-        seqs = [list(req.origin_input_ids) + list(req.output_ids) for req in batch.reqs]
-        proposal = propose(*args, batch=batch, **kwargs)
+        proposal = propose(*args, batch=batch, **kwargs)  # launched; on a GPU the lookup overlaps it
         if not proposer._greedy_draft:
             return proposal
         drafted = proposal.draft_block.draft_tokens
         bs = drafted.shape[0]
+        seqs = [list(req.origin_input_ids) + list(req.output_ids) for req in batch.reqs]
         looked, found = lookup.continuations((seqs + [[]] * bs)[:bs])  # rows without a request find nothing
         tokens, splice = splice_lookup(drafted=drafted, looked=looked.to(drafted.device, non_blocking=True),
                                        found=found.to(drafted.device, non_blocking=True))
