@@ -47,7 +47,7 @@ def check_lookup_server_args(server_args) -> None:
                          f"{LOOKUP_ENV}")
 
 
-def splice_lookup_into_argmax_blocks(proposer, *, block_size: int) -> PromptLookup:
+def splice_lookup_into_argmax_blocks(proposer, *, block_size: int) -> None:
     """Wrap `proposer.propose` (DSpark's DraftBlockProposer, after `greedy_drafts_for_greedy_batches`, which
     sets `_greedy_draft` for the step) so that argmax-drafted blocks get the lookup's tokens after slot 1
     where the lookup agrees with the drafter's slot-1 token. The proposal's tensors are written in place:
@@ -78,4 +78,3 @@ def splice_lookup_into_argmax_blocks(proposer, *, block_size: int) -> PromptLook
         return proposal
 
     proposer.propose = propose_with_lookup
-    return lookup

@@ -171,9 +171,8 @@ class HSpecWorkerV2(DSparkWorkerV2):
         self._speculation_policy = speculation_policy()
         self._switch: SpeculationSwitch | None = None
         greedy_drafts_for_greedy_batches(self._proposer)
-        self._lookup = None  # prompt lookup spliced into argmax-drafted blocks (HSPEC_LOOKUP=1, lookup_splice.py)
-        if lookup_enabled():
-            self._lookup = splice_lookup_into_argmax_blocks(self._proposer, block_size=int(self._proposer.gamma))
+        if lookup_enabled():  # prompt lookup spliced into argmax-drafted blocks (lookup_splice.py)
+            splice_lookup_into_argmax_blocks(self._proposer, block_size=int(self._proposer.gamma))
             logger.info("HSPEC: prompt lookup spliced into argmax-drafted blocks (%s=1)", LOOKUP_ENV)
         self._anchor_only_proposer = AnchorOnlyProposer(self._proposer)
         self._anchor_only_planner = AnchorOnlyPlanner(self._verify_planner, model_runner=self.model_runner)
