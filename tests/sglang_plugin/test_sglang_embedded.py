@@ -2,16 +2,23 @@
 greedy float32 output equals the non-speculative server on 10 MT-Bench prompts x 64 tokens, and
 SGLang's accept length matches the reference engine's tau on the same prompts (fixed full-block verify).
 
-One embedded HSPEC server per module: started, sent all prompts in one /generate call and stopped
-before anything else runs, so the non-speculative server never shares the two cores with it."""
+With prompt lookup spliced in (HSPEC_LOOKUP=1, overlap scheduling off): the same outputs, and the same
+verify steps as the reference engine's shipped+lookup request by request; under the prefix scheduler
+(compact mode), the same outputs.
+
+Each server is started, sent all prompts in one /generate call and stopped before anything else runs, so
+no two servers share the two cores."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.integration]
 
 N_PROMPTS, MAX_NEW = 10, 64
+SHIPPED_STS = Path(__file__).resolve().parents[2] / "docs" / "results" / "sts_hspec_smollm2.json"
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +150,24 @@ def test_lookup_splice_serves_what_the_reference_engine_splices(embedded_prompts
     assert all(abs(a - b) <= 1 for a, b in zip(steps_sglang, steps_ref)), (steps_sglang, steps_ref)
     assert sum(steps_sglang) < sum(o["meta_info"]["spec_verify_ct"] for o in hspec_run["outs"])
     assert "prompt lookup spliced into argmax-drafted blocks" in hspec_lookup_run["log"]
+
+
+def test_lookup_splice_under_the_prefix_scheduler(embedded_prompts, hspec_run, tmp_path):
+    """Compact mode: SGLang's prefix scheduler picks verify lengths from the confidences, which the splice
+    rewrites for spliced slots; outputs stay plain decoding's."""
+    from sglang_cpu import server as cpu_server
+
+    from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR
+
+    target, prompts = embedded_prompts
+    srv = cpu_server.launch(target, log_path=tmp_path / "server.log", plugins=("sglang_cpu_testing", "hspec"),
+                            env_extra={"HSPEC_LOOKUP": "1", "SGLANG_RAGGED_VERIFY_MODE": "compact"},
+                            args=["--speculative-algorithm", "HSPEC", "--disable-overlap-schedule",
+                                  "--speculative-draft-model-path", str(SHIPPED_DRAFTER_DIR),
+                                  "--speculative-dspark-confidence-sts-path", str(SHIPPED_STS)])
+    try:
+        outs = srv.generate(prompts, MAX_NEW)
+    finally:
+        srv.stop()
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in hspec_run["outs"]]
+    assert "prompt lookup spliced into argmax-drafted blocks" in srv.log()
