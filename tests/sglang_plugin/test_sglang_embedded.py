@@ -34,23 +34,28 @@ def embedded_prompts():
     return target, ids
 
 
-@pytest.fixture(scope="module")
-def hspec_run(embedded_prompts, tmp_path_factory):
-    """The module's one HSPEC server (static full-block verify, the default): outputs and log."""
+def serve_hspec(embedded_prompts, log_path, *, args=(), env_extra=None) -> dict:
+    """Start an HSPEC server with the shipped drafter, send all prompts in one /generate call, stop it:
+    its outputs and log."""
     from sglang_cpu import server as cpu_server
 
     from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR
 
     target, prompts = embedded_prompts
-    srv = cpu_server.launch(target, log_path=tmp_path_factory.mktemp("embedded_hspec") / "server.log",
-                            plugins=("sglang_cpu_testing", "hspec"),
-                            args=["--speculative-algorithm", "HSPEC",
-                                  "--speculative-draft-model-path", str(SHIPPED_DRAFTER_DIR)])
+    srv = cpu_server.launch(target, log_path=log_path, plugins=("sglang_cpu_testing", "hspec"), env_extra=env_extra,
+                            args=["--speculative-algorithm", "HSPEC", "--speculative-draft-model-path",
+                                  str(SHIPPED_DRAFTER_DIR), *args])
     try:
         outs = srv.generate(prompts, MAX_NEW)
     finally:
         srv.stop()
     return {"outs": outs, "log": srv.log()}
+
+
+@pytest.fixture(scope="module")
+def hspec_run(embedded_prompts, tmp_path_factory):
+    """The module's drafter-only HSPEC server (static full-block verify, the default): outputs and log."""
+    return serve_hspec(embedded_prompts, tmp_path_factory.mktemp("embedded_hspec") / "server.log")
 
 
 def test_hspec_on_embedded_target_equals_nonspec(embedded_prompts, hspec_run, sglang_server):
@@ -110,20 +115,8 @@ def test_accept_length_matches_reference_engine_tau(embedded_prompts, hspec_run,
 @pytest.fixture(scope="module")
 def hspec_lookup_run(embedded_prompts, tmp_path_factory):
     """An HSPEC server with prompt lookup spliced in (HSPEC_LOOKUP=1, overlap off as it requires)."""
-    from sglang_cpu import server as cpu_server
-
-    from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR
-
-    target, prompts = embedded_prompts
-    srv = cpu_server.launch(target, log_path=tmp_path_factory.mktemp("embedded_hspec_lookup") / "server.log",
-                            plugins=("sglang_cpu_testing", "hspec"), env_extra={"HSPEC_LOOKUP": "1"},
-                            args=["--speculative-algorithm", "HSPEC", "--disable-overlap-schedule",
-                                  "--speculative-draft-model-path", str(SHIPPED_DRAFTER_DIR)])
-    try:
-        outs = srv.generate(prompts, MAX_NEW)
-    finally:
-        srv.stop()
-    return {"outs": outs, "log": srv.log()}
+    return serve_hspec(embedded_prompts, tmp_path_factory.mktemp("embedded_hspec_lookup") / "server.log",
+                       args=["--disable-overlap-schedule"], env_extra={"HSPEC_LOOKUP": "1"})
 
 
 def test_lookup_splice_serves_what_the_reference_engine_splices(embedded_prompts, hspec_lookup_run, hspec_run):
@@ -155,19 +148,8 @@ def test_lookup_splice_serves_what_the_reference_engine_splices(embedded_prompts
 def test_lookup_splice_under_the_prefix_scheduler(embedded_prompts, hspec_run, tmp_path):
     """Compact mode: SGLang's prefix scheduler picks verify lengths from the confidences, which the splice
     rewrites for spliced slots; outputs stay plain decoding's."""
-    from sglang_cpu import server as cpu_server
-
-    from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR
-
-    target, prompts = embedded_prompts
-    srv = cpu_server.launch(target, log_path=tmp_path / "server.log", plugins=("sglang_cpu_testing", "hspec"),
-                            env_extra={"HSPEC_LOOKUP": "1", "SGLANG_RAGGED_VERIFY_MODE": "compact"},
-                            args=["--speculative-algorithm", "HSPEC", "--disable-overlap-schedule",
-                                  "--speculative-draft-model-path", str(SHIPPED_DRAFTER_DIR),
-                                  "--speculative-dspark-confidence-sts-path", str(SHIPPED_STS)])
-    try:
-        outs = srv.generate(prompts, MAX_NEW)
-    finally:
-        srv.stop()
-    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in hspec_run["outs"]]
-    assert "prompt lookup spliced into argmax-drafted blocks" in srv.log()
+    run = serve_hspec(embedded_prompts, tmp_path / "server.log",
+                      args=["--disable-overlap-schedule", "--speculative-dspark-confidence-sts-path", str(SHIPPED_STS)],
+                      env_extra={"HSPEC_LOOKUP": "1", "SGLANG_RAGGED_VERIFY_MODE": "compact"})
+    assert [o["output_ids"] for o in run["outs"]] == [o["output_ids"] for o in hspec_run["outs"]]
+    assert "prompt lookup spliced into argmax-drafted blocks" in run["log"]
