@@ -128,6 +128,11 @@ class SkewedDrafter:
 BUILTIN_DRAFTERS = ("none", "ngram")
 
 
+# the confidence given to spliced slots (after slot 1): on the embedded target's held-out prompts they are kept
+# 0.78 of the time (docs/results.md, "Prompt lookup spliced into the drafter")
+LOOKUP_CONFIDENCE = 0.8
+
+
 class PromptLookup:
     """Prompt lookup for splicing: block_size tokens copied from after the most recent earlier occurrence
     of a sequence's last n tokens (longest n first). The copy may run into the tokens it has just copied
@@ -179,7 +184,8 @@ class LookupSpliceDrafter:
     sync. Lossless at any temperature: slot 1 is the drafter's own draw under its own q, and given that
     token every spliced slot is a deterministic function of the history, so its q is one-hot."""
 
-    def __init__(self, drafter, *, max_ngram: int = 3, min_ngram: int = 1, lookup_confidence: float = 0.8):
+    def __init__(self, drafter, *, max_ngram: int = 3, min_ngram: int = 1,
+                 lookup_confidence: float = LOOKUP_CONFIDENCE):
         if getattr(drafter, "extend_context", None) is not None:
             raise ValueError(f"lookup splicing needs a drafter without a drafter-side KV cache; {drafter.name} has one")
         if not 0.0 < lookup_confidence < 1.0:

@@ -23,12 +23,9 @@ import os
 
 import torch
 
-from sglang_hspec.engine.drafters import PromptLookup, splice_lookup
+from sglang_hspec.engine.drafters import LOOKUP_CONFIDENCE, PromptLookup, splice_lookup
 
 LOOKUP_ENV = "HSPEC_LOOKUP"
-# the calibrated confidence given to spliced slots (SGLang's planner reads probabilities, STS logits); the
-# spliced slots of the embedded target's held-out prompts are kept 0.78 of the time (docs/results.md)
-LOOKUP_CONFIDENCE = 0.8
 
 
 def lookup_enabled(environ=None) -> bool:
