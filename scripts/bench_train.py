@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = [f"data.feature_cache={cache_dir}"]
     # a bf16 target is another target to the cache (its fingerprint differs): a cache of its own, stored in bf16
     cache_bf16 = [f"data.feature_cache={out / 'feature_cache_bf16'}", "data.feature_cache_dtype=bf16"]
-    native_bf16 = bf16_is_fast("cpu")
+    native_bf16 = bf16_is_fast("cpu", "batch")
     rows = [
         ("baseline", BASELINE),
         ("target_probs_once", ["training.target_probs_once=true", "training.pack_anchors=false",
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
           f" | torch capability {torch.backends.cpu.get_cpu_capability()} | threads {torch.get_num_threads()}"
           f" | load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
           + (f" | ISA capped by {caps}" if (caps := isa_caps()) else ""))
-    dtype = resolve_dtype(base_cfg.model.target_dtype, "cpu")
+    dtype = resolve_dtype(base_cfg.model.target_dtype, "cpu", workload="batch")
     print(f"dtype: fp32 except the bf16 rows (the recipe's target_dtype={base_cfg.model.target_dtype} would pick "
           f"{dtype} here); bf16 native on this CPU: {native_bf16} | "
           f"{args.config}: kind {base_cfg.model.kind}, block_size {base_cfg.model.block_size}, "

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         state = {**settings, "machine": machine(), "points": []}
     from sglang_hspec.target.dtypes import resolve_dtype
 
-    state["dtype"] = str(resolve_dtype("auto", "cpu")).replace("torch.", "")
+    state["dtype"] = str(resolve_dtype("auto", "cpu", workload="batch")).replace("torch.", "")
     print(f"cpu: {state['machine']['cpu']} | flags: {' '.join(state['machine']['flags'])} | dtype {state['dtype']} | "
           f"kinds {kinds} | points {points} of {args.max_steps} steps", flush=True)
     done = {p["step"] for p in state["points"]}

@@ -7,7 +7,8 @@ Runs the frozen target once on the first micro-batch of the config (the feature-
 drafter's forward + loss + backward with the two attention context paths interleaved in one process: the
 per-block window copy (`gather_windows=True`, the inference layout) and each sequence's KV read in place
 (`training.sequence_attention`, the default). It ends with a `torch.profiler` table of the default path
-(self CPU time per op, and per op and input shape). Prints the CPU model, flags, dtype and threads
+(self CPU time per op, and per op and input shape). The drafter runs under the trainer's bf16 autocast where
+`training.bf16` is set and bf16 pays at training's row counts. Prints the CPU model, flags, dtype and threads
 (HSPEC_TRAIN_THREADS, default all).
 """
 
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from sglang_hspec.target.dtypes import describe_machine
+from sglang_hspec.target.dtypes import bf16_is_fast, describe_machine
 from sglang_hspec.training import trainer
 from sglang_hspec.training.config import load_config
 from sglang_hspec.training.losses import block_loss, sample_anchors, slot_mask
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from sglang_hspec.target.adapter import TargetAdapter
     from sglang_hspec.target.loading import load_target
 
-    loaded = load_target(cfg.model.target, dtype=cfg.model.target_dtype, tiny_kwargs=cfg.model.target_kwargs)
+    loaded = load_target(cfg.model.target, dtype=cfg.model.target_dtype, tiny_kwargs=cfg.model.target_kwargs,
+                         workload="batch")
     target = loaded.model.eval().requires_grad_(False)
     adapter = TargetAdapter(target)
     examples = trainer._load_examples(cfg, loaded.tokenizer)
@@ -56,15 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         feats, probs = trainer._target_side(cfg, adapter, drafter, None, batch, ids, lengths)
     t = cfg.training
-    print(f"{describe_machine()} | dtype {adapter.dtype} | {cfg.model.kind}: {int(valid.sum())} valid blocks"
+    # the trainer's autocast: the drafter's forward and loss in bf16 where training.bf16 and bf16 pays here
+    bf16 = t.bf16 and bf16_is_fast("cpu", "batch")
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    print(f"{describe_machine()} | target dtype {adapter.dtype}, drafter autocast {'bf16' if bf16 else 'off'} | {cfg.model.kind}: {int(valid.sum())} valid blocks"
           f" of {cfg.model.block_size} tokens, sequences {tuple(ids.shape)}")
 
     def step(gather: bool) -> None:
-        out = drafter.forward_train(feats, ids, anchors, anchor_valid=valid, gather_windows=gather)
-        loss = block_loss(draft_logits=out.logits, confidence_logits=out.confidence_logits, target_probs=probs,
-                          target_vocab_size=drafter.config.target.vocab_size, compact=True, input_ids=ids,
-                          anchors=anchors, mask=smask, d2t=drafter.d2t, gamma_decay=t.gamma_decay,
-                          ce_weight=t.ce_weight, tv_weight=t.tv_weight, conf_weight=t.conf_weight)
+        with amp:
+            out = drafter.forward_train(feats, ids, anchors, anchor_valid=valid, gather_windows=gather)
+            loss = block_loss(draft_logits=out.logits, confidence_logits=out.confidence_logits, target_probs=probs,
+                              target_vocab_size=drafter.config.target.vocab_size, compact=True, input_ids=ids,
+                              anchors=anchors, mask=smask, d2t=drafter.d2t, gamma_decay=t.gamma_decay,
+                              ce_weight=t.ce_weight, tv_weight=t.tv_weight, conf_weight=t.conf_weight)
         loss.loss_sum.backward()
         drafter.zero_grad(set_to_none=True)
 

@@ -39,13 +39,15 @@ def resolve_device(name: str, *, flag: str = "--device") -> torch.device:
 
 
 def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-                tiny_kwargs: dict[str, Any] | None = None, batch_invariant: bool = False) -> TargetAdapter:
+                tiny_kwargs: dict[str, Any] | None = None, batch_invariant: bool = False,
+                workload: str = "decode") -> TargetAdapter:
     """A `TargetAdapter` over the frozen (eval, no grad) target named by `spec` (see module docstring).
-    `dtype` 'auto' picks bf16 only where this device computes it faster than fp32 (target/dtypes.py);
+    `dtype` 'auto' picks bf16 only where this device computes it faster than fp32 for `workload` ('decode':
+    the engine at small batches; 'batch': training and regeneration; target/dtypes.py);
     `batch_invariant` runs its attention batch-invariantly (target/adapter.py)."""
     spec = _ALIASES.get(str(spec), str(spec))
     device = torch.device(device)
-    dt = resolve_dtype(dtype, device.type)
+    dt = resolve_dtype(dtype, device.type, workload=workload)
     if tiny_kwargs and spec != "tiny":
         raise ValueError(f"target {spec!r}: tiny_kwargs {sorted(tiny_kwargs)} only shape the 'tiny' target; drop them")
     if spec == "embedded":

@@ -535,7 +535,8 @@ def run_cli(args) -> int:
     # read first: a bad --eval-texts file is answered before the target loads
     exclude_texts = evaluation_prompt_texts(args.eval_texts)
     torch.set_num_threads(args.threads)
-    adapter = load_target(args.target, dtype=args.dtype, device=resolve_device(args.device))
+    # dozens of requests per forward: the batched workload's dtype (target/dtypes.py)
+    adapter = load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), workload="batch")
     if args.drafter == "none":
         engine = ContinuousDecoder(adapter, slots=args.slots)
     else:

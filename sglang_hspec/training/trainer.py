@@ -288,7 +288,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         from sglang_hspec.target.loading import load_target
 
         loaded = load_target(cfg.model.target, dtype=cfg.model.target_dtype,
-                             tiny_kwargs=cfg.model.target_kwargs, device=device)
+                             tiny_kwargs=cfg.model.target_kwargs, device=device, workload="batch")
         target, tokenizer = loaded.model, loaded.tokenizer
     target = target.to(device).eval().requires_grad_(False)
     check_against_target(cfg, num_target_layers=target.config.num_hidden_layers)
@@ -348,8 +348,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
 
     pad_id = getattr(target.config, "pad_token_id", None) or 0
     per_micro = cfg.data.batch_size * world  # sequences per micro-batch over all ranks
-    # bf16 autocast only where bf16 is native: on AVX2-only CPUs it is ~50x slower than fp32
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16 and bf16_is_fast(device.type))
+    # bf16 autocast only where bf16 is faster at training's row counts: on AVX2-only CPUs it is ~50x slower
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16 and bf16_is_fast(device.type, "batch"))
     result = TrainResult(drafter=drafter)
     end = t.max_steps if t.stop_after is None else t.stop_after
     bar = tqdm(range(start, end), desc=f"train {cfg.model.kind}", disable=not progress or rank != 0,

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ def fake_cpu(monkeypatch):
         monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         probes = []
-        monkeypatch.setattr(dtypes, "cpu_bf16_speedup", lambda: probes.append(1) or speedup)
+        monkeypatch.setattr(dtypes, "cpu_bf16_speedup",
+                            lambda workload="decode": probes.append(workload) or speedup)
         monkeypatch.delenv("HSPEC_CPU_BF16", raising=False)
         dtypes.bf16_is_fast.cache_clear()
         return probes
@@ -54,17 +57,25 @@ def test_hspec_cpu_bf16_overrides_the_measurement(fake_cpu, monkeypatch):
         dtypes.resolve_dtype("auto", "cpu")
 
 
+def fake_probe(monkeypatch, seconds_per_row):
+    """Replace the timed matmul: `seconds_per_row[dtype](rows)` seconds; returns the (rows, dtype) timed."""
+    timed = []
+    monkeypatch.setattr(dtypes, "_probe_weights", lambda: torch.zeros(2, 3, 4))  # no 0.5 GB in a test
+    monkeypatch.setattr(dtypes, "_matmul_seconds",
+                        lambda rows, weights: timed.append((rows, weights.dtype)) or seconds_per_row[weights.dtype](rows))
+    return timed
+
+
 def test_the_speedup_is_measured_once_and_cached_per_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("HSPEC_CACHE_DIR", str(tmp_path))
     for name in dtypes.ISA_CAP_ENV:
         monkeypatch.delenv(name, raising=False)
-    timed = []
-    monkeypatch.setattr(dtypes, "_matmul_seconds",
-                        lambda rows, dtype: timed.append(rows) or (2.0 if dtype == torch.float32 else 1.0) * rows)
+    timed = fake_probe(monkeypatch, {torch.float32: lambda rows: 2.0 * rows, torch.bfloat16: lambda rows: 1.0 * rows})
     assert dtypes.cpu_bf16_speedup() == pytest.approx(2.0)
-    assert sorted(set(timed)) == sorted(dtypes.BF16_PROBE_ROWS)
+    assert sorted({rows for rows, _ in timed}) == sorted(dtypes.BF16_PROBE_ROWS)
     timed.clear()
     assert dtypes.cpu_bf16_speedup() == pytest.approx(2.0) and timed == []  # read back from the cache
+    assert dtypes.cpu_bf16_speedup("batch") == pytest.approx(2.0) and timed == []  # one probe serves both workloads
     monkeypatch.setattr(dtypes, "cpu_model", lambda: "another CPU")
     dtypes.cpu_bf16_speedup()
     assert timed  # another CPU model is measured anew
@@ -74,6 +85,46 @@ def test_the_speedup_is_measured_once_and_cached_per_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the same CPU with oneDNN capped is another machine
     dtypes.cpu_bf16_speedup()
     assert timed
+    timed.clear()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # and so is another thread count
+    dtypes.cpu_bf16_speedup()
+    assert timed
+
+
+def test_each_workload_reads_its_own_rows_of_the_probe(monkeypatch, tmp_path):
+    """The AMX Xeon (family 6 model 207, amx_bf16): the probe's fp32/bf16 ratios were ~0.85 / 2.05 / 3.25 at
+    1 / 8 / 256 rows; with ratios 0.6 / 1.05 / 3.3 decode (median 1.05 < 1.1) stays fp32 while training
+    (256 rows: 3.3) gets bf16, and the machine line names both."""
+    monkeypatch.setenv("HSPEC_CACHE_DIR", str(tmp_path))
+    ratio = {1: 0.6, 8: 1.05, 256: 3.3}
+    fake_probe(monkeypatch, {torch.float32: lambda rows: ratio[rows], torch.bfloat16: lambda rows: 1.0})
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
+    monkeypatch.delenv("HSPEC_CPU_BF16", raising=False)
+    dtypes.bf16_is_fast.cache_clear()
+    try:
+        assert dtypes.cpu_bf16_speedup("decode") == pytest.approx(1.05)
+        assert dtypes.cpu_bf16_speedup("batch") == pytest.approx(3.3)
+        assert dtypes.resolve_dtype("auto", "cpu") == torch.float32
+        assert dtypes.resolve_dtype("auto", "cpu", workload="batch") == torch.bfloat16
+        assert "auto dtype fp32 (decode), bf16 (batch)" in dtypes.describe_machine()
+        with pytest.raises(ValueError, match="workload 'train': choose one of decode, batch"):
+            dtypes.resolve_dtype("auto", "cpu", workload="train")
+    finally:
+        dtypes.bf16_is_fast.cache_clear()
+
+
+def test_a_probe_cached_by_the_older_method_is_measured_anew(monkeypatch, tmp_path):
+    """Probe v1 timed one cache-resident matrix (fp32 looked 1.7x better than it is at one row); its entries
+    carry no version and must not decide."""
+    monkeypatch.setenv("HSPEC_CACHE_DIR", str(tmp_path))
+    for name in dtypes.ISA_CAP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    old_key = (f"{dtypes.cpu_model()} | {' '.join(sorted(f for f in dtypes.SPEED_FLAGS if f in dtypes.cpu_flags()))}"
+               f" | torch {torch.__version__}")
+    (tmp_path / "dtype_probe.json").write_text(
+        json.dumps({old_key: {"speedup": 0.5, "per_rows": {"1": 0.5, "8": 0.5, "256": 0.5}}}))
+    timed = fake_probe(monkeypatch, {torch.float32: lambda rows: 3.0, torch.bfloat16: lambda rows: 1.0})
+    assert dtypes.cpu_bf16_speedup() == pytest.approx(3.0) and timed
 
 
 def test_isa_caps_are_named_in_the_machine_line(monkeypatch):

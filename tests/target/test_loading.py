@@ -15,6 +15,23 @@ def test_tiny_target_is_frozen_and_shaped_by_its_kwargs():
     assert not adapter.model.training and not any(p.requires_grad for p in adapter.model.parameters())
 
 
+def test_auto_dtype_follows_the_workload(monkeypatch):
+    """A CPU where bf16 pays only at many rows (the AMX Xeon's shape of probe): the engine's default
+    workload loads fp32, training and regeneration (`workload="batch"`) load bf16."""
+    from sglang_hspec.target import dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "amx_bf16"}))
+    monkeypatch.setattr(dtypes, "cpu_bf16_speedup", lambda workload="decode": {"decode": 0.9, "batch": 3.2}[workload])
+    monkeypatch.delenv("HSPEC_CPU_BF16", raising=False)
+    dtypes.bf16_is_fast.cache_clear()
+    try:
+        assert load_target("tiny", dtype="auto").dtype == torch.float32
+        assert load_target("tiny", dtype="auto", workload="batch").dtype == torch.bfloat16
+        assert load_target("tiny", dtype="fp32", workload="batch").dtype == torch.float32  # explicit wins
+    finally:
+        dtypes.bf16_is_fast.cache_clear()
+
+
 def test_a_local_hf_directory_loads_the_same_weights(tmp_path):
     model = tiny_target("qwen3", num_layers=2)
     model.save_pretrained(tmp_path)
