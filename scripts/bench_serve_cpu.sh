@@ -20,7 +20,8 @@
 # Usage: scripts/bench_serve_cpu.sh [OUT_DIR]   (needs `make setup-sglang`; ~20 min on 2 cores at the defaults)
 # Size: LIMIT (conversations, 8), MAX_TOKENS (per answer, 32), CONCURRENCY (1,4,16), ROUNDS (1: rounds per level,
 # each driving every server in turn, so the machine's drift reaches all alike); PROFILE_BATCH_SIZES (the
-# auto-profile's request counts, default: up to the server's capacity).
+# auto-profile's request counts, default: up to the server's capacity); DTYPE (the servers' --dtype, float32:
+# bfloat16 only where the CPU computes it natively, see sglang_hspec/target/dtypes.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/results/serve_cpu}
@@ -29,17 +30,18 @@ limit=${LIMIT:-8}
 max_tokens=${MAX_TOKENS:-32}
 concurrency=${CONCURRENCY:-1,4,16}
 rounds=${ROUNDS:-1}
+dtype=${DTYPE:-float32}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 target=$(.venv/bin/python -c "from sglang_hspec.assets.embedded import embedded_target_dir; print(embedded_target_dir())")
 drafter=sglang_hspec/checkpoints/hspec-smollm2
 common=(--model-path "$target" --device cpu --host 127.0.0.1 --max-total-tokens 4096 --skip-server-warmup
-        --disable-cuda-graph --dtype float32 --sleep-on-idle)
+        --disable-cuda-graph --dtype "$dtype" --sleep-on-idle)
 cpu_env=(SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_cpu/shim:tests/sglang_cpu/plugin OMP_NUM_THREADS=2)
 profile_env=()
 [ -n "${PROFILE_BATCH_SIZES:-}" ] && profile_env=(HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES="$PROFILE_BATCH_SIZES")
 mkdir -p "$out"
 # the machine beside every result (the CPU differs between sessions): printed and kept with the results
-.venv/bin/python -c "from sglang_hspec.target.dtypes import describe_machine as d; print('machine:', d(), '| servers float32')" \
+.venv/bin/python -c "from sglang_hspec.target.dtypes import describe_machine as d; print('machine:', d(), '| servers $dtype')" \
   | tee "$out/machine.txt"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done; }

@@ -45,14 +45,16 @@ def test_feature_cache_gives_the_same_losses_and_runs_the_target_once_per_exampl
     count_target_forwards.clear()
     warm = train(load_config(TINY, cache_over + [f"training.output_dir={tmp_path / 'b'}"]), progress=False)
     assert count_target_forwards == [] and warm.cache_stats["misses"] == 0
-    assert [m.loss for m in warm.history] == pytest.approx([m.loss for m in first.history], rel=1e-6)
+    # the warm run's target probabilities come from the cached log-partition, `first`'s epoch 1 from the full
+    # softmax: the same to float rounding, which eight optimizer steps grow (4.3e-6 relative on an AMX Xeon)
+    assert [m.loss for m in warm.history] == pytest.approx([m.loss for m in first.history], rel=1e-5)
     # the warm run read each position's log-partition and ran only the LM head's draft rows; with
     # training.cached_log_partition=false it runs the full-vocabulary softmax: the same losses
     shard = load_file(str(next((tmp_path / "cache" / "shards").glob("*.safetensors"))))
     assert shard["log_partition"].dtype == torch.float32 and shard["log_partition"].shape == shard["final_hidden"].shape[:1]
     full = train(load_config(TINY, cache_over + [f"training.output_dir={tmp_path / 'c'}",
                                                  "training.cached_log_partition=false"]), progress=False)
-    assert [m.loss for m in full.history] == pytest.approx([m.loss for m in warm.history], rel=1e-6)
+    assert [m.loss for m in full.history] == pytest.approx([m.loss for m in warm.history], rel=1e-5)
     # disk: 16 shards of 24 tokens at the stated cost per token, plus small safetensors headers
     per_token = bytes_per_token(hidden_size=64, num_hidden_ids=5, num_kv_layers=3, num_kv_heads=2, head_dim=16,
                                 dtype="fp32")
