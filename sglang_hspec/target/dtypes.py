@@ -11,7 +11,7 @@ hypervisor lets oneDNN use and on how many rows each matmul has: an AMD EPYC wit
 flags) ran SmolLM2's MLP matmul 1.3-1.7x *slower* in bf16 than fp32 at 1-2048 rows; the same model with
 amx_bf16 ran SmolLM2 about as fast in bf16 as in fp32 at one row and 3.5x faster at 2 x 512 (AMX tiles
 pay only with many rows). So where the flags allow bf16, a one-off micro-benchmark decides
-(`cpu_bf16_speedups`: SmolLM2's MLP shape at 1, 8 and 256 rows, bf16 against fp32, streaming through as
+(`cpu_bf16_speedup`: SmolLM2's MLP shape at 1, 8 and 256 rows, bf16 against fp32, streaming through as
 many distinct weights as the embedded target holds, since a model's weights never sit in cache), cached
 per CPU model, flags, torch version and thread count under `$HSPEC_CACHE_DIR/dtype_probe.json`, per workload:
 `decode` (the engine at small batches: one-row decodes, 8-row verifies, a prefill; the median of the three
@@ -134,12 +134,12 @@ def _speedup_for(ratios: dict[int, float], workload: str) -> float:
 
 def cpu_bf16_speedup(workload: str = "decode") -> float:
     """fp32 time over bf16 time of SmolLM2's MLP matmul for `workload` (> 1: bf16 is faster here; see the
-    module docstring). Measured once per CPU model, flags, torch version and ISA caps (`isa_caps`) and cached
-    on disk."""
+    module docstring). Measured once per CPU model, flags, torch version, thread count and ISA caps
+    (`isa_caps`; ~2 s) and cached on disk."""
     from sglang_hspec.assets.embedded import default_cache_dir
 
     _speedup_for({1: 1.0}, workload)  # an unknown workload fails before any timing
-    # threads are part of the machine too: one thread and two read different ratios (AMX Xeon: 2.18 vs 1.55 at 8 rows)
+    # threads are part of the machine too: one thread and two read different ratios (AMX Xeon: 2.18 vs 1.50 at 8 rows)
     key = (f"{cpu_model()} | {' '.join(sorted(f for f in SPEED_FLAGS if f in cpu_flags()))} | torch {torch.__version__}"
            f" | {torch.get_num_threads()} threads | probe v{PROBE_VERSION}")
     if caps := isa_caps():  # a capped ISA is another machine to the probe
