@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from sglang_hspec.target.dtypes import bf16_is_fast, describe_machine
+from sglang_hspec.target.dtypes import describe_machine
 from sglang_hspec.training import trainer
 from sglang_hspec.training.config import load_config
 from sglang_hspec.training.losses import block_loss, sample_anchors, slot_mask
@@ -58,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         feats, probs = trainer._target_side(cfg, adapter, drafter, None, batch, ids, lengths)
     t = cfg.training
-    # the trainer's autocast: the drafter's forward and loss in bf16 where training.bf16 and bf16 pays here
-    bf16 = t.bf16 and bf16_is_fast("cpu", "batch")
+    bf16 = trainer.drafter_bf16("cpu", t)  # the trainer's autocast over the drafter's forward and loss
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-    print(f"{describe_machine()} | target dtype {adapter.dtype}, drafter autocast {'bf16' if bf16 else 'off'} | {cfg.model.kind}: {int(valid.sum())} valid blocks"
-          f" of {cfg.model.block_size} tokens, sequences {tuple(ids.shape)}")
+    print(f"{describe_machine()} | target dtype {adapter.dtype}, drafter autocast {'bf16' if bf16 else 'off'} | "
+          f"{cfg.model.kind}: {int(valid.sum())} valid blocks of {cfg.model.block_size} tokens, "
+          f"sequences {tuple(ids.shape)}")
 
     def step(gather: bool) -> None:
         with amp:

@@ -124,12 +124,16 @@ def _measure_bf16_ratios() -> dict[int, float]:
     return {rows: _matmul_seconds(rows, fp32) / _matmul_seconds(rows, bf16) for rows in BF16_PROBE_ROWS}
 
 
+def _check_workload(workload: str) -> None:
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
+
+
 def _speedup_for(ratios: dict[int, float], workload: str) -> float:
+    """The probe's ratio for `workload`: the median over its rows (decode) or its largest row count (batch)."""
     if workload == "decode":
         return float(sorted(ratios.values())[len(ratios) // 2])
-    if workload == "batch":
-        return float(ratios[max(ratios)])
-    raise ValueError(f"workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
+    return float(ratios[max(ratios)])
 
 
 def cpu_bf16_speedup(workload: str = "decode") -> float:
@@ -138,7 +142,7 @@ def cpu_bf16_speedup(workload: str = "decode") -> float:
     (`isa_caps`; ~2 s) and cached on disk."""
     from sglang_hspec.assets.embedded import default_cache_dir
 
-    _speedup_for({1: 1.0}, workload)  # an unknown workload fails before any timing
+    _check_workload(workload)  # before any timing
     # threads are part of the machine too: one thread and two read different ratios (AMX Xeon: 2.18 vs 1.50 at 8 rows)
     key = (f"{cpu_model()} | {' '.join(sorted(f for f in SPEED_FLAGS if f in cpu_flags()))} | torch {torch.__version__}"
            f" | {torch.get_num_threads()} threads | probe v{PROBE_VERSION}")
@@ -174,8 +178,7 @@ def cpu_bf16_speedup(workload: str = "decode") -> float:
 @functools.cache
 def bf16_is_fast(device_type: str = "cpu", workload: str = "decode") -> bool:
     """Whether bf16 computes faster than fp32 here for `workload` ('decode' | 'batch', module docstring)."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
+    _check_workload(workload)
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     forced = os.environ.get("HSPEC_CPU_BF16", "").strip()

@@ -234,6 +234,12 @@ def _lr_lambda(cfg: TrainConfig):
     return f
 
 
+def drafter_bf16(device_type: str, training) -> bool:
+    """Whether the drafter trains under bf16 autocast: `training.bf16` is set and bf16 is faster at
+    training's row counts (target/dtypes.py, workload 'batch'; on AVX2-only CPUs bf16 is ~50x slower)."""
+    return training.bf16 and bf16_is_fast(device_type, "batch")
+
+
 def _device(cfg: TrainConfig) -> torch.device:
     d = cfg.training.device
     if d == "auto" and torch.cuda.is_available():
@@ -348,8 +354,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
 
     pad_id = getattr(target.config, "pad_token_id", None) or 0
     per_micro = cfg.data.batch_size * world  # sequences per micro-batch over all ranks
-    # bf16 autocast only where bf16 is faster at training's row counts: on AVX2-only CPUs it is ~50x slower
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16 and bf16_is_fast(device.type, "batch"))
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=drafter_bf16(device.type, t))
     result = TrainResult(drafter=drafter)
     end = t.max_steps if t.stop_after is None else t.stop_after
     bar = tqdm(range(start, end), desc=f"train {cfg.model.kind}", disable=not progress or rank != 0,
