@@ -14,6 +14,8 @@
 #   HSPEC+lookup  HSPEC with prompt lookup spliced into its blocks (HSPEC_LOOKUP=1), which needs
 #                 --disable-overlap-schedule (sglang_hspec/sglang_plugin/lookup_splice.py)
 #   HSPEC-no-overlap   HSPEC with --disable-overlap-schedule: HSPEC+lookup's control
+#   HSPEC+auto+lookup  HSPEC+auto with the lookup splice (and so --disable-overlap-schedule): the switch reads the
+#                 spliced slots' confidences, so it drafts where drafter and lookup together pay
 # The servers run side by side but the benchmark drives one at a time; --sleep-on-idle keeps the idle ones
 # off the cores (SGLang's scheduler loop otherwise polls at full speed). MT-Bench closed loop; the first
 # server named is the baseline of the 'vs' column.
@@ -78,9 +80,12 @@ for name in "${names[@]}"; do
                   "${spec[@]}" "${sts[@]}" ;;
     HSPEC+lookup) launch HSPEC_lookup $port sglang_cpu_testing,hspec HSPEC_LOOKUP=1 -- "${spec[@]}" \
                     --disable-overlap-schedule ;;
+    HSPEC+auto+lookup) launch HSPEC_auto_lookup $port sglang_cpu_testing,hspec SGLANG_RAGGED_VERIFY_MODE=compact \
+                  HSPEC_AUTO_PROFILE_SPS=1 HSPEC_SPECULATION=auto HSPEC_LOOKUP=1 "${profile_env[@]}" -- "${spec[@]}" \
+                  "${sts[@]}" --disable-overlap-schedule ;;
     HSPEC-no-overlap) launch HSPEC_no_overlap $port sglang_cpu_testing,hspec -- "${spec[@]}" --disable-overlap-schedule ;;
     *) echo "unknown server $name (none, HSPEC, HSPEC+SPS, HSPEC+auto, HSPEC+auto-unguarded, HSPEC+lookup," \
-         "HSPEC-no-overlap)"; exit 2 ;;
+         "HSPEC-no-overlap, HSPEC+auto+lookup)"; exit 2 ;;
   esac
   compare+=("$name=http://127.0.0.1:$port")
 done

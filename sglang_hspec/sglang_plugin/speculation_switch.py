@@ -189,6 +189,7 @@ class SpeculationSwitch:
     `interrupt` drops the open step when a prefill or idle step ran inside it."""
 
     def __init__(self, *, policy: str, costs, block_size: int, req_pool_size: int, min_survival: float,
+                 greedy_costs=None,
                  margin: float = 0.05, initial_probe_interval: int = 4, max_probe_interval: int = 256,
                  guard: bool = True, guard_prior: float | None = None, guard_decay: float = 0.97,
                  guard_token_lag: int = 8, clock=time.perf_counter):
@@ -201,6 +202,7 @@ class SpeculationSwitch:
 
         self.policy = policy
         self.costs = costs
+        self.greedy_costs = greedy_costs
         self.block_size = block_size
         self.min_survival = float(min_survival)
         self.margin = float(margin)
@@ -218,9 +220,10 @@ class SpeculationSwitch:
         self._guard_step: list | None = None  # the open step's handle
         self._readback = AsyncSums(capacity=max(1, guard_token_lag))  # drafting steps' committed tokens
 
-    def should_draft(self, *, rows: torch.Tensor, generation: torch.Tensor) -> bool:
+    def should_draft(self, *, rows: torch.Tensor, generation: torch.Tensor, greedy: bool = False) -> bool:
         """Whether this step runs the drafter. `rows`: the batch's request slots (host), `generation`:
-        their current generations (host)."""
+        their current generations (host); `greedy`: the step would draft by argmax (an all-greedy batch),
+        costed by `greedy_costs` where given."""
         if self.policy == "always":
             return True
         if self.policy == "never":
@@ -239,7 +242,8 @@ class SpeculationSwitch:
             guard.end()
             spec_scale, plain_scale = guard.scale("spec"), guard.scale("plain")
         decision = decide_speculation(
-            survival=survival, costs=self.costs, known_rows=int(known.sum()),
+            survival=survival, costs=self.greedy_costs if greedy and self.greedy_costs is not None else self.costs,
+            known_rows=int(known.sum()),
             steps_since_draft=self.steps_since_draft, probe_interval=self.probe_interval,
             probe_rows=max(1, num_reqs), margin=self.margin, min_survival=self.min_survival,
             spec_scale=spec_scale, plain_scale=plain_scale,

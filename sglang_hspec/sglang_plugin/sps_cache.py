@@ -13,7 +13,10 @@
 With `HSPEC_SPECULATION=auto` (speculation_policy.py) the table must also carry plain-decode probes: the
 auto-profile then measures a second, never-drafting profiling server (`profile_with_server(plain_probes=
 True)`), a cached table without them is re-profiled, and a given one without them, a non-compact mode or
-no table at all stop the launch with the fix.
+no table at all stop the launch with the fix. The auto-profile of `auto` also measures the drafting server at
+temperature 0 into the table's greedy twin (`sps_profile.greedy_table_path`, `<stem>.greedy.json`): argmax
+drafting skips the sampled draft's noise, so the switch costs all-greedy steps by it (worker.py, `step_costs`);
+a cached table without its twin is re-profiled; a given table's twin is used where it exists beside it.
 
 The table reaches SGLang's planner as `speculative_dspark_sps_table_path` (a declared server-argument write).
 No SGLang import here: the key and path logic is unit-tested anywhere.
@@ -235,6 +238,11 @@ def resolve_sps_table(server_args: Any, *, block_size: int | None = None,
     if path.is_file():
         try:
             _check_table(path, need_plain=need_plain)
+            if need_plain:  # auto costs all-greedy steps by the greedy twin
+                twin = sps_profile.greedy_table_path(path)
+                if not twin.is_file():
+                    raise ValueError(f"no greedy twin {twin.name} (profiled before the switch costed argmax drafts)")
+                _check_table(twin, need_plain=True)
         except ValueError as e:
             logger.warning("HSPEC: cached SPS table %s is unusable (%s); profiling a new one", path, e)
         else:
@@ -245,7 +253,8 @@ def resolve_sps_table(server_args: Any, *, block_size: int | None = None,
     logger.warning("HSPEC: %s=1 and no cached SPS table for %s: profiling once with a short-lived server "
                    "(this start takes longer; later starts reuse %s)", AUTO_PROFILE_ENV, key, path)
     try:
-        sps_profile.profile_with_server(out=path, settings=auto_profile_settings(env), plain_probes=need_plain)
+        sps_profile.profile_with_server(out=path, settings=auto_profile_settings(env), plain_probes=need_plain,
+                                        greedy_probes=need_plain)
     except Exception as e:  # the server still starts, without a table, and says so
         if need_plain:
             raise RuntimeError(f"HSPEC: SPS auto-profile failed ({e}); {POLICY_ENV}=auto cannot run without "

@@ -37,6 +37,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+GREEDY_TABLE_SUFFIX = ".greedy.json"  # greedy_table_path
+
 # The profiling environment SGLang's profiler checks on the server (fetch_server_context).
 # Set in the profiling server's environment: it must neither profile itself nor warn about its missing table.
 PROFILING_SERVER_ENV = "HSPEC_SPS_PROFILING_SERVER"
@@ -212,9 +214,19 @@ def with_plain_probes(spec, plain, *, verify_tokens: int = 1):
     return msgspec.structs.replace(spec, plain_batch_sizes=sizes, plain_steps_per_sec=list(plain.sample_steps_per_sec))
 
 
-def _profile_once(*, cmd: list[str], port: int, out: Path, log_path: Path, env: dict[str, str],
-                  settings: dict[str, Any], startup_timeout: float) -> int:
-    """One profiling server: start, profile into `out`, stop. Returns its verify tokens per request."""
+def greedy_table_path(table: str | os.PathLike) -> Path:
+    """Where the greedy twin of the SPS table `table` lives: `<stem>.greedy.json` beside it. Its probes are
+    the same server's steps at temperature 0, where the worker drafts by argmax (worker.py,
+    `greedy_drafts_for_greedy_batches`) and skips the sampled draft's noise: a cheaper step (a bf16 CPU
+    measured 1.11x at one request, 1.25x at four), which the switch weighs on all-greedy batches."""
+    table = Path(table)
+    return table.with_name(table.stem + GREEDY_TABLE_SUFFIX)
+
+
+def _profile_once(*, cmd: list[str], port: int, outs: list[tuple[Path, dict[str, Any]]], log_path: Path,
+                  env: dict[str, str], startup_timeout: float) -> int:
+    """One profiling server: start, profile it into each (out, settings) in turn, stop. Returns its verify
+    tokens per request."""
     logger.info("HSPEC SPS auto-profile: starting a profiling server on port %d (log %s)", port, log_path)
     with open(log_path, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -222,7 +234,8 @@ def _profile_once(*, cmd: list[str], port: int, out: Path, log_path: Path, env: 
         url = f"http://127.0.0.1:{port}"
         _wait_ready(proc, url, log_path, startup_timeout)
         verify_tokens = int(_get_json(url + "/server_info")["speculative_num_draft_tokens"])
-        profile_server(url=url, out=out, **settings)
+        for out, settings in outs:
+            profile_server(url=url, out=out, **settings)
     finally:
         _stop(proc)
     return verify_tokens
@@ -230,37 +243,49 @@ def _profile_once(*, cmd: list[str], port: int, out: Path, log_path: Path, env: 
 
 def profile_with_server(*, out: str | os.PathLike, settings: dict[str, Any] | None = None,
                         argv: list[str] | None = None, startup_timeout: float = 1800.0,
-                        plain_probes: bool = False) -> None:
+                        plain_probes: bool = False, greedy_probes: bool = False) -> None:
     """Start a profiling server from this launcher's command line, profile it into `out`, stop it. With
     `plain_probes`, a second profiling server that never drafts (`HSPEC_SPECULATION=never`) measures plain
     decode steps at the same request counts, and the table gains `plain_batch_sizes` /
-    `plain_steps_per_sec` (what `HSPEC_SPECULATION=auto` weighs speculation against). The table is written
-    under a temporary name and moved into place, so a reader never sees a partial file."""
+    `plain_steps_per_sec` (what `HSPEC_SPECULATION=auto` weighs speculation against). With `greedy_probes`,
+    the drafting server is also profiled at temperature 0 (argmax drafts) into `greedy_table_path(out)`,
+    with the same plain probes. `out` is profiled at the settings' temperature (SGLang's default 1: sampled
+    drafts, what its planner expects). Tables are written under temporary names and moved into place, `out`
+    last, so a reader never sees a partial file."""
     from sglang_hspec.scheduler.sps import load_sps_table, save_sps_table
 
     from .speculation_policy import POLICY_ENV
 
     out = Path(out)
+    settings = dict(settings or {})
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f".{out.stem}.tmp-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     env = {**os.environ, **PROFILING_SERVER_ENVIRONMENT, PROFILING_SERVER_ENV: "1", POLICY_ENV: "always"}
-    port = _free_port()
-    _profile_once(cmd=relaunch_argv(argv, port=port), port=port, out=work / out.name,
-                  log_path=out.with_name(out.stem + ".server.log"), env=env, settings=settings or {},
-                  startup_timeout=startup_timeout)
     table = work / out.name
+    greedy = work / "greedy" / out.name
+    runs = [(table, settings)]
+    if greedy_probes:
+        greedy.parent.mkdir()
+        runs.append((greedy, {**settings, "temperature": 0.0, "plot": False}))
+    port = _free_port()
+    _profile_once(cmd=relaunch_argv(argv, port=port), port=port, outs=runs,
+                  log_path=out.with_name(out.stem + ".server.log"), env=env, startup_timeout=startup_timeout)
     if plain_probes:
         plain = work / "plain" / out.name
         plain.parent.mkdir()
         port = _free_port()
-        _profile_once(cmd=relaunch_argv(argv, port=port), port=port, out=plain,
+        _profile_once(cmd=relaunch_argv(argv, port=port), port=port,
+                      outs=[(plain, {**settings, "plot": False, "anchor_only": True})],
                       log_path=out.with_name(out.stem + ".plain.server.log"), env={**env, POLICY_ENV: "never"},
-                      settings={**(settings or {}), "plot": False, "anchor_only": True},
                       startup_timeout=startup_timeout)
-        save_sps_table(with_plain_probes(load_sps_table(table), load_sps_table(plain)), table)
+        for spec in (table, greedy) if greedy_probes else (table,):
+            save_sps_table(with_plain_probes(load_sps_table(spec), load_sps_table(plain)), spec)
         shutil.rmtree(plain.parent, ignore_errors=True)
+    if greedy_probes:
+        os.replace(greedy, work / greedy_table_path(out).name)
+        shutil.rmtree(greedy.parent, ignore_errors=True)
     for f in sorted(work.iterdir(), key=lambda p: p == table):  # the table last
         os.replace(f, out.parent / f.name)
     shutil.rmtree(work, ignore_errors=True)
@@ -336,5 +361,5 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
-__all__ = ["add_server_arguments", "default_batch_sizes", "profile_server", "profile_with_server", "relaunch_argv",
-           "with_plain_probes"]
+__all__ = ["GREEDY_TABLE_SUFFIX", "add_server_arguments", "default_batch_sizes", "greedy_table_path", "profile_server",
+           "profile_with_server", "relaunch_argv", "with_plain_probes"]

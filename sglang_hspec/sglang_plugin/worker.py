@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -81,10 +82,16 @@ def greedy_drafts_for_greedy_batches(proposer) -> None:
 
     @functools.wraps(propose)
     def propose_greedy_when_all_greedy(*args, sampling_info, **kwargs):
-        proposer._greedy_draft = always_greedy or sampling_info is None or bool(sampling_info.is_all_greedy)
+        proposer._greedy_draft = drafts_by_argmax(always_greedy=always_greedy, sampling_info=sampling_info)
         return propose(*args, sampling_info=sampling_info, **kwargs)
 
     proposer.propose = propose_greedy_when_all_greedy
+    proposer.always_greedy_draft = always_greedy  # what the switch reads to cost the step (`step_costs`)
+
+
+def drafts_by_argmax(*, always_greedy: bool, sampling_info) -> bool:
+    """Whether a step with this batch's `sampling_info` drafts by argmax (`greedy_drafts_for_greedy_batches`)."""
+    return always_greedy or sampling_info is None or bool(sampling_info.is_all_greedy)
 
 
 def register_draft_model_class() -> None:
@@ -238,8 +245,10 @@ class HSpecWorkerV2(DSparkWorkerV2):
         policy = self._speculation_policy
         if policy == "always":
             return None
-        costs = step_costs(verify_num_draft_tokens=self.verify_num_draft_tokens) if policy == "auto" else None
-        switch = SpeculationSwitch(policy=policy, costs=costs, block_size=self.gamma, req_pool_size=req_pool_size,
+        costs, greedy_costs = (step_costs(verify_num_draft_tokens=self.verify_num_draft_tokens) if policy == "auto"
+                               else (None, None))
+        switch = SpeculationSwitch(policy=policy, costs=costs, greedy_costs=greedy_costs, block_size=self.gamma,
+                                   req_pool_size=req_pool_size,
                                    min_survival=self._verify_planner._schedule_cfg.survival_eps,
                                    guard=speculation_guard())
         budget_planner = getattr(self._verify_planner, "_budget_planner", None)
@@ -259,7 +268,8 @@ class HSpecWorkerV2(DSparkWorkerV2):
             self._switch.interrupt()  # a step the switch did not decide: the guard times none of it
             return True  # no host copy of the slots: deciding would need a device read-back
         generation = self.model_runner.req_to_token_pool.req_generation[rows.to(torch.long)]
-        return self._switch.should_draft(rows=rows, generation=generation)
+        greedy = drafts_by_argmax(always_greedy=self._proposer.always_greedy_draft, sampling_info=batch.sampling_info)
+        return self._switch.should_draft(rows=rows, generation=generation, greedy=greedy)
 
     def _forward_decode(self, batch, on_publish, grammar_barrier=None, coordination_plan=None):
         timer = self._step_timer
@@ -489,23 +499,38 @@ class HSpecWorkerV2(DSparkWorkerV2):
 
 
 def step_costs(*, verify_num_draft_tokens: int):
-    """`StepCosts` of this server for `HSPEC_SPECULATION=auto`: the SPS table SGLang's planner was given,
-    read with our loader (it keeps the plain-decode probes SGLang's struct drops). A table without a
-    drafter column is SGLang's profile of whole drafting steps at `verify_num_draft_tokens` per request,
-    so a drafting step over N requests costs at least its step of N requests (`StepCosts(full_block=)`)."""
+    """`StepCosts` of this server for `HSPEC_SPECULATION=auto`, sampled and greedy: the SPS table SGLang's
+    planner was given, read with our loader (it keeps the plain-decode probes SGLang's struct drops), and its
+    greedy twin (`sps_profile.greedy_table_path`: the same steps at temperature 0, argmax drafts) where one
+    lies beside it, else None (all-greedy steps are costed as sampled ones, which overprices them). A table
+    without a drafter column is SGLang's profile of whole drafting steps at `verify_num_draft_tokens` per
+    request, so a drafting step over N requests costs at least its step of N requests
+    (`StepCosts(full_block=)`)."""
     from sglang.srt.runtime_context import get_spec
 
     from sglang_hspec.scheduler.sps import load_sps_table
     from sglang_hspec.scheduler.switch import StepCosts
+
+    from .sps_profile import greedy_table_path
 
     path = get_spec().speculative_dspark_sps_table_path
     if not path:
         raise RuntimeError("HSPEC_SPECULATION=auto weighs speculation against plain decoding with this server's SPS "
                            "table, and none was given: set HSPEC_AUTO_PROFILE_SPS=1 (profiled and cached at launch) "
                            "or pass --speculative-dspark-sps-table-path from `hspec profile-sps --url`")
-    table = load_sps_table(path)
-    if not getattr(table, "has_plain", False):
-        raise RuntimeError(f"HSPEC_SPECULATION=auto needs plain-decode probes in the SPS table, and {path} has none "
-                           "(profiled before they existed, or by SGLang's profiler alone): re-profile it (delete the "
-                           "cached table and restart with HSPEC_AUTO_PROFILE_SPS=1, or `hspec profile-sps --url`)")
-    return StepCosts(table, full_block=None if table.draft_seconds else verify_num_draft_tokens)
+    costs = []
+    for table_path in (Path(path), greedy_table_path(path)):
+        if table_path != Path(path) and not table_path.is_file():
+            logger.info("HSPEC: no greedy SPS twin %s: all-greedy steps are costed by the sampled table", table_path)
+            costs.append(None)
+            continue
+        table = load_sps_table(table_path)
+        if not getattr(table, "has_plain", False):
+            raise RuntimeError(f"HSPEC_SPECULATION=auto needs plain-decode probes in the SPS table, and {table_path} "
+                               "has none (profiled before they existed, or by SGLang's profiler alone): re-profile it "
+                               "(delete the cached table and restart with HSPEC_AUTO_PROFILE_SPS=1, or `hspec "
+                               "profile-sps --url`)")
+        costs.append(StepCosts(table, full_block=None if table.draft_seconds else verify_num_draft_tokens))
+        if table_path != Path(path):
+            logger.info("HSPEC: all-greedy steps are costed by the greedy SPS twin %s", table_path)
+    return costs[0], costs[1]

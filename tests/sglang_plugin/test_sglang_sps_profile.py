@@ -90,6 +90,7 @@ def test_auto_profile_caches_the_table_and_reuses_it(tiny_checkpoints, hspec_dra
     from sglang_cpu import server as cpu_server
 
     from sglang_hspec.sglang_plugin.sps_cache import SpsCacheKey, key_sidecar, table_path_for
+    from sglang_hspec.sglang_plugin.sps_profile import greedy_table_path
 
     target = tiny_checkpoints["target"]
     cache = tmp_path / "cache"
@@ -118,6 +119,11 @@ def test_auto_profile_caches_the_table_and_reuses_it(tiny_checkpoints, hspec_dra
     assert f"sps_table={path}" in first  # the planner of this very start uses it
     table = _check_table(path)
     assert table.plain_batch_sizes == [1, 2] and all(s > 0 for s in table.plain_steps_per_sec)
+    # ... and the drafting server at temperature 0 (argmax drafts) into the greedy twin, same plain probes
+    twin = _check_table(greedy_table_path(path))
+    assert twin.plain_steps_per_sec == table.plain_steps_per_sec
+    assert twin.sample_batch_tokens == table.sample_batch_tokens and all(s > 0 for s in twin.sample_steps_per_sec)
+    assert f"HSPEC: all-greedy steps are costed by the greedy SPS twin {greedy_table_path(path)}" in first
     assert "HSPEC: speculation policy auto (HSPEC_SPECULATION)" in first
     assert json.loads(key_sidecar(path).read_text())["model"] == str(Path(target).resolve())
     assert "verifies its full block" not in path.with_name(path.stem + ".server.log").read_text()
@@ -128,7 +134,7 @@ def test_auto_profile_caches_the_table_and_reuses_it(tiny_checkpoints, hspec_dra
     assert f"sps_table={path}" in second
     assert os.stat(path).st_mtime_ns == stamp  # not profiled again
     assert sorted(p.name for p in path.parent.glob("*.json") if not p.name.endswith((".key.json", ".manifest.json"))) \
-        == [path.name]
+        == sorted([path.name, greedy_table_path(path).name])
 
 
 @pytest.mark.slow

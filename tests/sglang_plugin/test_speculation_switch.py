@@ -12,7 +12,7 @@ from sglang_hspec.scheduler.sps import SpsCostTable
 
 from sglang_hspec.sglang_plugin import sps_cache, step_timer
 from sglang_hspec.sglang_plugin.speculation_policy import speculation_policy
-from sglang_hspec.sglang_plugin.sps_profile import with_plain_probes
+from sglang_hspec.sglang_plugin.sps_profile import greedy_table_path, with_plain_probes
 
 
 # ---- HSPEC_SPECULATION ----
@@ -70,18 +70,29 @@ def test_cached_table_without_plain_probes_is_reprofiled_with_them(tmp_path, mon
     save_sps_table(old, cached)
     calls = []
 
-    def fake_profile(*, out, settings, plain_probes):
-        calls.append(plain_probes)
-        save_sps_table(SpsCostTable(sample_batch_tokens=[8, 16], sample_steps_per_sec=[5.0, 4.0], max_batch_tokens=64,
-                                    plain_batch_sizes=[1, 2], plain_steps_per_sec=[12.0, 10.0]), out)
+    def fake_profile(*, out, settings, plain_probes, greedy_probes):
+        calls.append((plain_probes, greedy_probes))
+        probes = dict(sample_batch_tokens=[8, 16], max_batch_tokens=64, plain_batch_sizes=[1, 2],
+                      plain_steps_per_sec=[12.0, 10.0])
+        save_sps_table(SpsCostTable(sample_steps_per_sec=[6.0, 5.0], **probes), greedy_table_path(out))
+        save_sps_table(SpsCostTable(sample_steps_per_sec=[5.0, 4.0], **probes), out)
 
     monkeypatch.setattr(sps_cache.sps_profile, "profile_with_server", fake_profile)
     env = {"HSPEC_SPECULATION": "auto", "SGLANG_RAGGED_VERIFY_MODE": "compact", "HSPEC_AUTO_PROFILE_SPS": "1"}
     assert sps_cache.resolve_sps_table(args, block_size=7, environ=env) == cached
-    assert calls == [True]
+    assert calls == [(True, True)]
     assert load_sps_table(cached).plain_steps_per_sec == [12.0, 10.0]
-    # the next start reuses it
-    assert sps_cache.resolve_sps_table(args, block_size=7, environ=env) == cached and calls == [True]
+    assert load_sps_table(cached.with_name(cached.stem + ".greedy.json")).sample_steps_per_sec == [6.0, 5.0]
+    # the next start reuses both
+    assert sps_cache.resolve_sps_table(Args(), block_size=7, environ=env) == cached and calls == [(True, True)]
+    # a table cached before the greedy twin existed (plain probes, no twin) is profiled again
+    greedy_table_path(cached).unlink()
+    assert sps_cache.resolve_sps_table(Args(), block_size=7, environ=env) == cached
+    assert calls == [(True, True)] * 2 and greedy_table_path(cached).is_file()
+    # without auto (the planner alone) the twin is not needed
+    greedy_table_path(cached).unlink()
+    assert sps_cache.resolve_sps_table(Args(), block_size=7, environ={**env, "HSPEC_SPECULATION": "always"}) == cached
+    assert len(calls) == 2
 
 
 # ---- plain-decode probes ----
@@ -290,3 +301,41 @@ def test_switch_guard_turns_off_speculation_that_loses_in_wall_time():
     assert switch.guard.scale("spec") < 10.5 / rate and switch.guard.scale("plain") == pytest.approx(1.0)
     switch.interrupt()  # a prefill: the open step is dropped, nothing folded
     assert switch.guard.scale("plain") == pytest.approx(1.0)
+
+
+def _flat_costs(spec_steps_per_sec: float):
+    """One request: a verify of 1-8 tokens at `spec_steps_per_sec` whatever its width, plain decoding at
+    10 steps/s, a drafter that costs nothing beyond the verify step."""
+    from sglang_hspec.scheduler.switch import StepCosts
+
+    table = SpsCostTable(sample_batch_tokens=list(range(1, 9)), sample_steps_per_sec=[spec_steps_per_sec] * 8,
+                         max_batch_tokens=8, plain_batch_sizes=[1], plain_steps_per_sec=[10.0], draft_seconds=[0.0])
+    return StepCosts(table)
+
+
+@pytest.mark.sglang
+def test_switch_costs_all_greedy_steps_by_the_greedy_table():
+    from sglang_hspec.sglang_plugin.speculation_switch import SpeculationSwitch
+
+    # confidences 0.6 at every slot: tau(7) = 1 + 0.6 + ... + 0.6^7 = 2.4580 tokens per step. Sampled drafting
+    # steps at 4 steps/s: 9.83 tok/s, under 1.05 x 10 plain; greedy (argmax) steps at 6 steps/s: 14.75 tok/s
+    tau = sum(0.6 ** j for j in range(8))
+    rows, generation = torch.tensor([0]), torch.tensor([1])
+
+    def switch(greedy_costs):
+        sw = SpeculationSwitch(policy="auto", costs=_flat_costs(4.0), greedy_costs=greedy_costs, block_size=7,
+                               req_pool_size=4, min_survival=0.0, guard=False)
+        sw.stale.write(rows=rows, confidence=torch.full((1, 7), 0.6), generation=generation, known=torch.tensor([True]))
+        sw.steps_since_draft = 0  # no probe due: each decision is the rates' alone
+        return sw
+
+    both = switch(_flat_costs(6.0))
+    assert both.should_draft(rows=rows, generation=generation, greedy=True)
+    assert both.last_decision.spec_tokens_per_sec == pytest.approx(6.0 * tau)
+    assert not both.should_draft(rows=rows, generation=generation, greedy=False)
+    assert both.last_decision.spec_tokens_per_sec == pytest.approx(4.0 * tau)
+    assert not both.last_decision.probe
+    # without a greedy table an all-greedy step is costed as a sampled one
+    sampled_only = switch(None)
+    assert not sampled_only.should_draft(rows=rows, generation=generation, greedy=True)
+    assert sampled_only.last_decision.spec_tokens_per_sec == pytest.approx(4.0 * tau)

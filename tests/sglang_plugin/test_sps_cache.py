@@ -95,7 +95,7 @@ def fake_profile(monkeypatch, tmp_path):
     monkeypatch.setenv("HSPEC_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
 
-    def profile_with_server(*, out, settings, plain_probes=False):
+    def profile_with_server(*, out, settings, plain_probes=False, greedy_probes=False):
         calls.append(settings)
         save_sps_table(TABLE, out)
 

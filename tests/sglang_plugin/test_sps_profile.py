@@ -99,3 +99,40 @@ def test_profiling_without_sglang_says_how_to_install_it(tmp_path, capsys):
     finally:
         server.shutdown()
     assert rc == 2 and "pip install 'sglang-hspec[sglang]'" in capsys.readouterr().err
+
+
+def test_auto_profile_writes_the_table_and_its_greedy_twin_with_plain_probes(tmp_path, monkeypatch):
+    """`profile_with_server(plain_probes=True, greedy_probes=True)` with the servers faked: the drafting
+    server is profiled at the settings' temperature into the table and at temperature 0 into its twin, the
+    never-drafting one anchor-only; both tables carry the plain probes; nothing temporary is left."""
+    from sglang_hspec.scheduler.sps import SpsCostTable, load_sps_table, save_sps_table
+
+    from sglang_hspec.sglang_plugin import sps_profile
+
+    servers = []
+
+    def fake_profile_once(*, cmd, port, outs, log_path, env, startup_timeout):
+        servers.append((env["HSPEC_SPECULATION"], [settings for _, settings in outs]))
+        for out, settings in outs:
+            if settings.get("anchor_only"):  # plain steps, one token per request
+                table = SpsCostTable(sample_batch_tokens=[1, 2], sample_steps_per_sec=[12.0, 10.0], max_batch_tokens=16)
+            else:  # greedy steps cheaper than sampled ones
+                rate = 6.0 if settings.get("temperature", 1.0) == 0.0 else 5.0
+                table = SpsCostTable(sample_batch_tokens=[8, 16], sample_steps_per_sec=[rate, rate - 1],
+                                     max_batch_tokens=16)
+            save_sps_table(table, out)
+        return 8
+
+    monkeypatch.setattr(sps_profile, "_profile_once", fake_profile_once)
+    out = tmp_path / "sps" / "server.json"
+    argv = ["launch_server.py", "--model-path", "/m"]
+    sps_profile.profile_with_server(out=out, settings={"min_steady_steps": 16}, argv=argv, plain_probes=True,
+                                    greedy_probes=True)
+    assert servers == [("always", [{"min_steady_steps": 16}, {"min_steady_steps": 16, "temperature": 0.0, "plot": False}]),
+                       ("never", [{"min_steady_steps": 16, "plot": False, "anchor_only": True}])]
+    sampled, greedy = load_sps_table(out), load_sps_table(tmp_path / "sps" / "server.greedy.json")
+    assert sps_profile.greedy_table_path(out) == tmp_path / "sps" / "server.greedy.json"
+    assert sampled.sample_steps_per_sec == [5.0, 4.0] and greedy.sample_steps_per_sec == [6.0, 5.0]
+    for table in (sampled, greedy):
+        assert table.plain_batch_sizes == [1, 2] and table.plain_steps_per_sec == [12.0, 10.0]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["server.greedy.json", "server.json"]
