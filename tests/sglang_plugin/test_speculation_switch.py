@@ -168,7 +168,8 @@ def test_step_timer_rejects_unknown_kind(tmp_path):
 
 # ---- SGLang's planner with the recording subclass (needs SGLang) ----
 @pytest.mark.sglang
-def test_recording_budget_planner_keeps_the_lagged_confidences_and_the_same_budget():
+@pytest.mark.parametrize("relay_lag_steps", [2, 0])  # overlap scheduling (the relay's lag of 2), and without it
+def test_recording_budget_planner_keeps_the_confidences_it_is_handed_and_the_same_budget(relay_lag_steps):
     from sglang.srt.speculative.dspark_components import dspark_planner as dp
 
     from sglang_hspec.sglang_plugin.speculation_switch import RecordingBudgetPlanner, StaleConfidences
@@ -180,7 +181,7 @@ def test_recording_budget_planner_keeps_the_lagged_confidences_and_the_same_budg
     table = dp.SpsCostTable(sample_batch_tokens=[1, 4, 8], sample_steps_per_sec=[10.0, 9.0, 4.0],
                             max_batch_tokens=32)
     cfg = dp.DSparkScheduleConfig(gamma=3)
-    kwargs = dict(sps_table=table, cfg=cfg, model_runner=Runner(), relay_lag_steps=2)
+    kwargs = dict(sps_table=table, cfg=cfg, model_runner=Runner(), relay_lag_steps=relay_lag_steps)
     theirs, ours = dp.HostConfidenceBudgetPlanner(**kwargs), dp.HostConfidenceBudgetPlanner(**kwargs)
     ours.__class__ = RecordingBudgetPlanner
     ours.stale_confidences = StaleConfidences(req_pool_size=8, block_size=3)
@@ -194,7 +195,10 @@ def test_recording_budget_planner_keeps_the_lagged_confidences_and_the_same_budg
         assert ours.compute_budget(**args) == theirs.compute_budget(**args)
         stored, known = ours.stale_confidences.read(rows=rows, generation=current)
         assert torch.equal(known, torch.tensor([True, True, step >= 2]))
-        assert torch.equal(stored[:2], conf[:2].to(torch.float32))  # lag 0 under the relay's own lag of 2
+        # as handed: the relay's (already two steps old) under overlap; without it this drafting step's,
+        # where SGLang's planner itself reads them two planner calls late (its carry ring)
+        assert torch.equal(stored[:2], conf[:2].to(torch.float32))
+    assert ours.carry_steps == (0 if relay_lag_steps == 2 else 2)
 
 
 @pytest.mark.sglang
