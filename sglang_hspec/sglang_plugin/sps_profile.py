@@ -218,7 +218,7 @@ def greedy_table_path(table: str | os.PathLike) -> Path:
     """Where the greedy twin of the SPS table `table` lives: `<stem>.greedy.json` beside it. Its probes are
     the same server's steps at temperature 0, where the worker drafts by argmax (worker.py,
     `greedy_drafts_for_greedy_batches`) and skips the sampled draft's noise: a cheaper step (a bf16 CPU
-    measured 1.11x at one request, 1.25x at four), which the switch weighs on all-greedy batches."""
+    measured 1.17-1.25x at four requests; docs/serving.md), which the switch weighs on all-greedy batches."""
     table = Path(table)
     return table.with_name(table.stem + GREEDY_TABLE_SUFFIX)
 
