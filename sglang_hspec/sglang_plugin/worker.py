@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -518,19 +517,20 @@ def step_costs(*, verify_num_draft_tokens: int):
         raise RuntimeError("HSPEC_SPECULATION=auto weighs speculation against plain decoding with this server's SPS "
                            "table, and none was given: set HSPEC_AUTO_PROFILE_SPS=1 (profiled and cached at launch) "
                            "or pass --speculative-dspark-sps-table-path from `hspec profile-sps --url`")
-    costs = []
-    for table_path in (Path(path), greedy_table_path(path)):
-        if table_path != Path(path) and not table_path.is_file():
-            logger.info("HSPEC: no greedy SPS twin %s: all-greedy steps are costed by the sampled table", table_path)
-            costs.append(None)
-            continue
+    def costs_of(table_path) -> StepCosts:
         table = load_sps_table(table_path)
         if not getattr(table, "has_plain", False):
             raise RuntimeError(f"HSPEC_SPECULATION=auto needs plain-decode probes in the SPS table, and {table_path} "
                                "has none (profiled before they existed, or by SGLang's profiler alone): re-profile it "
                                "(delete the cached table and restart with HSPEC_AUTO_PROFILE_SPS=1, or `hspec "
                                "profile-sps --url`)")
-        costs.append(StepCosts(table, full_block=None if table.draft_seconds else verify_num_draft_tokens))
-        if table_path != Path(path):
-            logger.info("HSPEC: all-greedy steps are costed by the greedy SPS twin %s", table_path)
-    return costs[0], costs[1]
+        return StepCosts(table, full_block=None if table.draft_seconds else verify_num_draft_tokens)
+
+    costs = costs_of(path)
+    twin = greedy_table_path(path)
+    if not twin.is_file():
+        logger.info("HSPEC: no greedy SPS twin %s: all-greedy steps are costed by the sampled table", twin)
+        return costs, None
+    greedy_costs = costs_of(twin)
+    logger.info("HSPEC: all-greedy steps are costed by the greedy SPS twin %s", twin)
+    return costs, greedy_costs
