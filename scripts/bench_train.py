@@ -29,6 +29,10 @@ batches: a lever that keeps it equal changes the speed only). Rows:
   all_exact + bf16    and bf16 (its own bf16 feature cache: a bf16 target is another target to the cache)
   all + anchors_512   and more anchors per target forward
   init=target_layers  all_exact with the drafter initialised from the target's layers (loss-slope lever)
+  all_exact + compile, all_exact + bf16 + compile
+                      and training.compile: the drafter and loss under torch.compile (inductor). Its one-off
+                      cost (compiling on the first steps; cached on disk by torch, so a second run pays less)
+                      is printed per row as the steps' time beyond the median, and left out of the rates
 
 Prints the CPU model, its flags that matter (avx2 / avx512f / avx512_bf16 / amx_bf16), torch's
 capability string, the ISA caps set in the environment (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         ("all_exact + bf16", EXACT[:3] + BF16 + cache_bf16),
         ("all + anchors_512", EXACT + cache + ["data.num_anchors=512"]),
         ("init=target_layers", EXACT + cache + ["model.init=target_layers"]),
+        ("all_exact + compile", EXACT + cache + ["training.compile=true"]),
+        ("all_exact + bf16 + compile", EXACT[:3] + BF16 + cache_bf16 + ["training.compile=true"]),
     ]
     if args.rows:
         wanted = [r.strip() for r in args.rows.split(",")]
@@ -175,23 +181,25 @@ def main(argv: list[str] | None = None) -> int:
         last = res.history[-1]
         tp = {"tokens_per_s": statistics.mean(m.tokens for m in res.history) / secs,
               "blocks_per_s": statistics.mean(m.blocks for m in res.history) / secs}
+        # what the steps took beyond the median: the compile rows' one-off compilation (and any first-step cost)
+        one_off = sum(m.seconds for m in res.history) - secs * len(res.history)
         results.append({"row": name, **tp, "loss": last.loss, "tau_prob": last.tau_prob,
                         "blocks_per_step": res.history[-1].blocks, "tokens_per_step": res.history[-1].tokens,
-                        "step_seconds": [m.seconds for m in res.history]})
+                        "one_off_seconds": one_off, "step_seconds": [m.seconds for m in res.history]})
         print(f"[{name}] {tp['tokens_per_s']:.1f} tokens/s, {tp['blocks_per_s']:.1f} blocks/s, loss {last.loss:.4f}, "
-              f"step seconds {[m.seconds for m in res.history]}", flush=True)
+              f"one-off {one_off:.1f} s, step seconds {[m.seconds for m in res.history]}", flush=True)
 
     base = results[0]
-    print(f"\n{'row':<20} {'tokens/s':>9} {'blocks/s':>9} {'x tok/s':>8} {'x blk/s':>8} {'loss@N':>8}  note")
-    print("-" * 78)
+    print(f"\n{'row':<28} {'tokens/s':>9} {'blocks/s':>9} {'x tok/s':>8} {'x blk/s':>8} {'loss@N':>8} {'one-off s':>9}  note")
+    print("-" * 96)
     for r in results:
         if "skipped" in r:
-            print(f"{r['row']:<20} {'-':>9} {'-':>9} {'-':>8} {'-':>8} {'-':>8}  skipped: {r['skipped']}")
+            print(f"{r['row']:<28} {'-':>9} {'-':>9} {'-':>8} {'-':>8} {'-':>8} {'-':>9}  skipped: {r['skipped']}")
             continue
         r["x_tokens"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["x_blocks"] = r["blocks_per_s"] / base["blocks_per_s"]
-        print(f"{r['row']:<20} {r['tokens_per_s']:>9.1f} {r['blocks_per_s']:>9.1f} {r['x_tokens']:>7.2f}x "
-              f"{r['x_blocks']:>7.2f}x {r['loss']:>8.4f}")
+        print(f"{r['row']:<28} {r['tokens_per_s']:>9.1f} {r['blocks_per_s']:>9.1f} {r['x_tokens']:>7.2f}x "
+              f"{r['x_blocks']:>7.2f}x {r['loss']:>8.4f} {r['one_off_seconds']:>9.1f}")
     for note in cache_notes:
         print(note)
     payload = {"cpu": cpu_model(), "isa_caps": isa_caps(),

@@ -198,23 +198,48 @@ def sequence_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     kp = k.new_zeros(B, A, nkv, L, D).index_put((rows, slot), k)
     vp = v.new_zeros(B, A, nkv, L, D).index_put((rows, slot), v)
     n_pad = n.new_full((B, A), -1).index_put((rows, slot), n)
-    qg = qp.view(B, A, nkv, g, L, D) * D ** -0.5
+    out = _block_attention_core(qp.view(B, A, nkv, g, L, D), context.key, context.value, kp, vp, n_pad,
+                                context.window, causal)
+    # back to [N, nh, L, D]
+    return out.permute(0, 3, 1, 2, 4, 5).reshape(B, A, nh, L, D)[rows, slot]
+
+
+def block_attention_core(qg: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kp: torch.Tensor,
+                         vp: torch.Tensor, n_pad: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """The shape-stable, elementwise-heavy part of `sequence_block_attention`: queries qg [B, A, nkv, g, L, D]
+    against each sequence's K/V [B, nkv, T, D] (window (n - window, n] of n_pad [B, A]) and the blocks' own
+    kp/vp [B, A, nkv, L, D], one softmax. Returns [B, nkv, g, A, L, D]."""
+    B, A, nkv, g, L, D = qg.shape
+    T = key.shape[2]
+    q = qg.dtype
+    qg = qg * D ** -0.5
     # context part: [B, nkv, g, A, L, T]
-    s_ctx = torch.einsum("baKgld,bKtd->bKgalt", qg, context.key.to(q.dtype)).float()
-    t = torch.arange(T, device=q.device)
-    seen = (t <= n_pad[..., None]) & (t > n_pad[..., None] - context.window)  # [B, A, T]
+    s_ctx = torch.einsum("baKgld,bKtd->bKgalt", qg, key.to(q)).float()
+    t = torch.arange(T, device=qg.device)
+    seen = (t <= n_pad[..., None]) & (t > n_pad[..., None] - window)  # [B, A, T]
     s_ctx = s_ctx.masked_fill(~seen[:, None, None, :, None, :], float("-inf"))
     # block part: [B, nkv, g, A, L, L]
     s_blk = torch.einsum("baKgld,baKsd->bKgals", qg, kp).float()
     if causal:
-        s_blk = s_blk.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        s_blk = s_blk.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=qg.device).tril(), float("-inf"))
     top = torch.maximum(s_ctx.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True)).detach()
     p_ctx, p_blk = torch.exp(s_ctx - top), torch.exp(s_blk - top)
     denom = p_ctx.sum(-1, keepdim=True) + p_blk.sum(-1, keepdim=True)
-    out = (torch.einsum("bKgalt,bKtd->bKgald", p_ctx.to(q.dtype), context.value.to(q.dtype))
-           + torch.einsum("bKgals,baKsd->bKgald", p_blk.to(q.dtype), vp)) / denom.to(q.dtype)
-    # back to [N, nh, L, D]
-    return out.permute(0, 3, 1, 2, 4, 5).reshape(B, A, nh, L, D)[rows, slot]
+    return (torch.einsum("bKgalt,bKtd->bKgald", p_ctx.to(q), value.to(q))
+            + torch.einsum("bKgals,baKsd->bKgald", p_blk.to(q), vp)) / denom.to(q)
+
+
+_block_attention_core = block_attention_core  # torch.compile'd by `compile_training_kernels`
+
+
+def compile_training_kernels(backend: str | None = "inductor") -> None:
+    """`training.compile`: run the training forward's elementwise-heavy cores (`block_attention_core` here,
+    the loss's per-row terms in training/losses.py) under torch.compile with dynamic shapes (blocks and
+    sequence length change every step), process-wide; backend None restores eager. Only these shape-stable
+    functions are compiled: the rest of the step has data-dependent shapes that would recompile every step."""
+    global _block_attention_core
+    _block_attention_core = (block_attention_core if backend is None
+                             else torch.compile(block_attention_core, dynamic=True, backend=backend))
 
 
 def gather_window(view: TargetKVView, last_position: torch.Tensor, sliding_window: int) -> WindowKV:

@@ -114,6 +114,10 @@ class TrainingSection(StrictModel):
     # attention reads each sequence's target KV in place for all its blocks (false: one window copied per
     # block, the inference layout)
     sequence_attention: bool = True
+    # torch.compile (inductor) the step's elementwise-heavy cores: the block attention over each sequence's KV
+    # and the loss's per-row softmax / TV / CE (trainer.use_compiled_kernels). A one-off compile (~1 min on 2
+    # cores, cached on disk by torch); needs a C++ compiler on a CPU. Same losses up to float rounding.
+    compile: bool = False
     seed: int = 0
     output_dir: str = "runs/train"
     save_every: int = 0  # 0: only the final checkpoint

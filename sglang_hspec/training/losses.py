@@ -204,6 +204,16 @@ def _draft_terms(
     return ce, tv
 
 
+_draft_terms_fn = _draft_terms  # torch.compile'd by `compile_loss_kernels`
+
+
+def compile_loss_kernels(backend: str | None = "inductor") -> None:
+    """`training.compile`: `_draft_terms` (log-softmax, TV and CE over the draft vocabulary, per row) under
+    torch.compile with dynamic rows, process-wide; backend None restores eager."""
+    global _draft_terms_fn
+    _draft_terms_fn = _draft_terms if backend is None else torch.compile(_draft_terms, dynamic=True, backend=backend)
+
+
 def slot_terms(
     *, draft_logits: torch.Tensor, target: TargetProbs, label_index: torch.Tensor, labels: torch.Tensor,
     d2t: torch.Tensor, target_vocab_size: int, chunk_rows: int = 2048,
@@ -219,9 +229,9 @@ def slot_terms(
         sl = slice(s, s + chunk_rows)
         p_in, out = target.probs.index_select(0, idx[sl]), target.outside.index_select(0, idx[sl])
         if torch.is_grad_enabled() and dl.requires_grad:
-            ce, tv = checkpoint(_draft_terms, dl[sl], p_in, out, draft_labels[sl], use_reentrant=False)
+            ce, tv = checkpoint(_draft_terms_fn, dl[sl], p_in, out, draft_labels[sl], use_reentrant=False)
         else:
-            ce, tv = _draft_terms(dl[sl], p_in, out, draft_labels[sl])
+            ce, tv = _draft_terms_fn(dl[sl], p_in, out, draft_labels[sl])
         ces.append(ce)
         tvs.append(tv)
     if not ces:

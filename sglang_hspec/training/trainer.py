@@ -41,6 +41,7 @@ from sglang_hspec.training.config import TrainConfig, check_against_target, chec
 from sglang_hspec.training.data import load_examples, load_examples_cached, patterned_examples
 from sglang_hspec.training.losses import (
     block_loss,
+    compile_loss_kernels,
     lm_head_log_partition,
     position_weights,
     sample_anchors,
@@ -159,6 +160,26 @@ class DrafterLoss(nn.Module):
             input_ids=input_ids, anchors=anchors, mask=mask, d2t=self.drafter.d2t, gamma_decay=t.gamma_decay,
             ce_weight=t.ce_weight, tv_weight=t.tv_weight, conf_weight=t.conf_weight, chunk_rows=t.loss_chunk_rows,
         )
+
+
+COMPILE_BACKEND = "inductor"  # tests capture with dynamo's "eager" backend: the same graphs, no minutes of codegen
+
+
+def use_compiled_kernels(enabled: bool, device: torch.device) -> None:
+    """`training.compile`: the training step's elementwise-heavy cores (the drafter's block attention over its
+    sequence's KV, the loss's per-row softmax / TV / CE) under torch.compile, or back to eager. Inductor
+    builds C++ kernels on a CPU, so a missing compiler is named here rather than deep inside the first step."""
+    from sglang_hspec.model.hspec import compile_training_kernels
+
+    backend = COMPILE_BACKEND if enabled else None
+    if enabled and device.type == "cpu" and backend == "inductor":
+        cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+        if cxx is None or shutil.which(cxx) is None:
+            raise ValueError("training.compile=true needs a C++ compiler on a CPU (torch inductor builds its kernels "
+                             "with one) and none was found (CXX, g++, c++, clang++); install one (e.g. apt install "
+                             "g++) or set training.compile=false")
+    compile_training_kernels(backend)
+    compile_loss_kernels(backend)
 
 
 # ------------------------------------------------------------------ data order
@@ -324,6 +345,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     module = DrafterLoss(drafter, cfg)
     if distributed:
         module = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    use_compiled_kernels(t.compile, device)  # process-wide: set (or reset) for every run
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))

@@ -355,3 +355,41 @@ def test_packed_forward_train_equals_the_padded_one_on_valid_anchors(kind):
     torch.testing.assert_close(packed.logits[valid], full.logits[valid], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed.confidence_logits[valid], full.confidence_logits[valid], rtol=1e-5, atol=1e-5)
     assert (packed.logits[~valid] == 0).all() and (packed.confidence_logits[~valid] == 0).all()
+
+
+@pytest.mark.slow
+def test_compiled_training_gives_the_eager_losses_and_weights(tmp_path, monkeypatch):
+    """training.compile runs the block attention's and the loss's cores as captured graphs (dynamic shapes):
+    the same per-step losses and final weights as eager, up to float rounding (fp32 pinned), and a later
+    eager run in the same process is eager again. The backend is "aot_eager" here (the capture and its
+    autograd graph, no C++ code generation); `scripts/bench_train.py` prints the inductor rows' losses beside
+    the eager ones on the real recipe."""
+    from sglang_hspec.training import trainer
+
+    monkeypatch.setattr(trainer, "COMPILE_BACKEND", "aot_eager")
+    over = SMALL + ["training.max_steps=3", "model.target_dtype=fp32", "training.bf16=false"]
+    runs = {flag: train(load_config(TINY, over + [f"training.compile={flag}", f"training.output_dir={tmp_path / str(flag)}"]),
+                        progress=False) for flag in (False, True)}
+    eager, comp = runs[False], runs[True]
+    assert [m.loss for m in comp.history] == pytest.approx([m.loss for m in eager.history], rel=1e-5)
+    assert [(m.tokens, m.blocks) for m in comp.history] == [(m.tokens, m.blocks) for m in eager.history]
+    from sglang_hspec.model import hspec
+    from sglang_hspec.training import losses
+
+    assert hspec._block_attention_core is not hspec.block_attention_core  # the last run's compiled cores
+    assert losses._draft_terms_fn is not losses._draft_terms
+    trainer.use_compiled_kernels(False, torch.device("cpu"))
+    assert (hspec._block_attention_core, losses._draft_terms_fn) == (hspec.block_attention_core, losses._draft_terms)
+    want = eager.drafter.state_dict()
+    # lr 3e-3: a wrong gradient moves a weight by ~lr per Adam step, rounding moves it by < 1e-4
+    for name, got in comp.drafter.state_dict().items():
+        torch.testing.assert_close(got, want[name], rtol=0, atol=3e-4, msg=name)
+
+
+def test_compile_without_a_cpp_compiler_is_a_clear_error(monkeypatch):
+    from sglang_hspec.training import trainer
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(trainer.shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match=r"training\.compile=true needs a C\+\+ compiler.*training\.compile=false"):
+        trainer.use_compiled_kernels(True, torch.device("cpu"))
