@@ -30,7 +30,8 @@ batches: a lever that keeps it equal changes the speed only). Rows:
   all + anchors_512   and more anchors per target forward
   init=target_layers  all_exact with the drafter initialised from the target's layers (loss-slope lever)
   all_exact + compile, all_exact + bf16 + compile
-                      and training.compile: the drafter and loss under torch.compile (inductor). Its one-off
+                      and training.compile: the block attention's and the loss's elementwise cores under
+                      torch.compile (inductor; trainer.use_compiled_kernels). Its one-off
                       cost (compiling on the first steps; cached on disk by torch, so a second run pays less)
                       is printed per row as the steps' time beyond the median, and left out of the rates
 

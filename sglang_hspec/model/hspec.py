@@ -211,10 +211,10 @@ def block_attention_core(qg: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     kp/vp [B, A, nkv, L, D], one softmax. Returns [B, nkv, g, A, L, D]."""
     B, A, nkv, g, L, D = qg.shape
     T = key.shape[2]
-    q = qg.dtype
+    dtype = qg.dtype
     qg = qg * D ** -0.5
     # context part: [B, nkv, g, A, L, T]
-    s_ctx = torch.einsum("baKgld,bKtd->bKgalt", qg, key.to(q)).float()
+    s_ctx = torch.einsum("baKgld,bKtd->bKgalt", qg, key.to(dtype)).float()
     t = torch.arange(T, device=qg.device)
     seen = (t <= n_pad[..., None]) & (t > n_pad[..., None] - window)  # [B, A, T]
     s_ctx = s_ctx.masked_fill(~seen[:, None, None, :, None, :], float("-inf"))
@@ -225,8 +225,8 @@ def block_attention_core(qg: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     top = torch.maximum(s_ctx.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True)).detach()
     p_ctx, p_blk = torch.exp(s_ctx - top), torch.exp(s_blk - top)
     denom = p_ctx.sum(-1, keepdim=True) + p_blk.sum(-1, keepdim=True)
-    return (torch.einsum("bKgalt,bKtd->bKgald", p_ctx.to(q), value.to(q))
-            + torch.einsum("bKgals,baKsd->bKgald", p_blk.to(q), vp)) / denom.to(q)
+    return (torch.einsum("bKgalt,bKtd->bKgald", p_ctx.to(dtype), value.to(dtype))
+            + torch.einsum("bKgals,baKsd->bKgald", p_blk.to(dtype), vp)) / denom.to(dtype)
 
 
 _block_attention_core = block_attention_core  # torch.compile'd by `compile_training_kernels`

@@ -162,7 +162,7 @@ class DrafterLoss(nn.Module):
         )
 
 
-COMPILE_BACKEND = "inductor"  # tests capture with dynamo's "eager" backend: the same graphs, no minutes of codegen
+COMPILE_BACKEND = "inductor"  # tests use "aot_eager": the same captured graphs and autograd, no C++ codegen
 
 
 def use_compiled_kernels(enabled: bool, device: torch.device) -> None:
