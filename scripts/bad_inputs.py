@@ -261,6 +261,8 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         Row("training", "`data regenerate --eval-texts` naming a JSONL of prompts instead",
             ["data", "regenerate", "--in", str(w("foo.jsonl")), "--out", str(w("regen")), "--eval-texts",
              str(w("foo.jsonl"))]),
+        Row("training", "`data merge --out` naming a directory with no regenerate shards",
+            ["data", "merge", "--out", str(w("regen"))]),
         # artifacts on a full disk (library calls: the disk is made to fail in-process)
         Row("artifacts", "`save_drafter` on a full disk", call=functools.partial(full_disk_save_drafter, scratch)),
         Row("artifacts", "`build_dataset` (data shards) on a full disk",

@@ -47,7 +47,7 @@ timeout -s INT "$REGEN_S" $HSPEC data regenerate --in "$W/prompts.jsonl" --out "
   --batch-size "${BATCH:-1024}" --slots "${SLOTS:-1024}" --max-new-tokens 384 --temperature 0 --loops truncate \
   --dtype bf16 --device "$DEVICE" --threads 8 --eval-texts "$STAGE/eval_texts.json" ${REGEN_EXTRA:-} 2>&1 \
   | tr '\r' '\n' | grep -v '^$' | tail -n 20
-$PY -P -c "from sglang_hspec.training.regenerate import merge_shards; print(merge_shards('$W/regen', heldout_fraction=0.02))"
+$HSPEC data merge --out "$W/regen" --heldout 0.02
 (cd "$W" && tar -czf "$OUT/regen.tar.gz" regen/shards regen/train.jsonl regen/heldout.jsonl $(ls regen/stats.json 2>/dev/null))
 say "regenerated: $(cat "$W/regen/shards"/*.status.jsonl 2>/dev/null | wc -l) records, $(du -h "$OUT/regen.tar.gz" | cut -f1)"
 

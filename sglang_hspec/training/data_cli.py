@@ -1,5 +1,5 @@
-"""`hspec data build | regenerate`: the command line over training/data.py (building SpecForge JSONL) and
-training/regenerate.py (self-distilled answers). Its own module so that neither of those imports the other's
+"""`hspec data build | eval-texts | regenerate | merge`: the command line over training/data.py (building
+SpecForge JSONL) and training/regenerate.py (self-distilled answers). Its own module so that neither of those imports the other's
 command line: regenerate.py builds on data.py, never the reverse."""
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_arguments(r)
     add_eval_texts_argument(r)
     r.set_defaults(func=run_cli)
+    m = sub.add_parser("merge", help="train.jsonl / heldout.jsonl from the shards a regenerate run has committed "
+                                     "so far (after a kill, or a snapshot while it runs)")
+    m.add_argument("--out", required=True, help="the --out directory of `hspec data regenerate`")
+    m.add_argument("--heldout", type=float, default=0.02,
+                   help="held-out fraction (split by id hash): the one the regenerate run used")
+    m.set_defaults(func=run_cli)
     return p
 
 
@@ -66,6 +72,13 @@ def run_cli(args) -> int:
         stats = build_dataset(records=records(), out_dir=args.out, heldout_fraction=args.heldout,
                               exclude_texts=evaluation_prompt_texts(args.eval_texts))
         print(json.dumps(stats.__dict__))
+        return 0
+    if args.data_command == "merge":
+        import msgspec
+
+        from sglang_hspec.training.regenerate import merge
+
+        print(json.dumps(msgspec.structs.asdict(merge(args.out, heldout_fraction=args.heldout))))
         return 0
     from sglang_hspec.training.regenerate import run_cli as run_regenerate
 

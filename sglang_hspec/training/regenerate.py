@@ -185,6 +185,46 @@ def merge_shards(out_dir: str | Path, *, heldout_fraction: float, keep_ids: set[
     return {k: len(v) for k, v in lines.items()}, tokens
 
 
+class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What the committed shards of a regenerate --out directory hold, all runs together, and the split that
+    `merge` wrote from them (no input count: that is stats.json's, written at the end of a run)."""
+
+    shards: int
+    succeeded: int
+    failed: int
+    skipped: int
+    target_tokens: int  # assistant tokens written by the target in the kept records
+    truncated_replies: int
+    train_records: int
+    heldout_records: int
+    train_tokens: int
+    heldout_tokens: int
+
+
+def merge(out_dir: str | Path, *, heldout_fraction: float) -> ShardSummary:
+    """train.jsonl / heldout.jsonl from every committed shard, without generating: what a run stopped
+    before its end (killed, or still running) has committed so far, split as its end would split it."""
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"--heldout {heldout_fraction}: the held-out fraction must be in [0, 1); pass the "
+                         "fraction the regenerate run used (its default 0.02), so that no held-out record moves")
+    out_dir = Path(out_dir)
+    shard_dir = out_dir / SHARD_DIR
+    shards = _committed_shards(shard_dir) if shard_dir.is_dir() else []
+    if not shards:
+        raise FileNotFoundError(f"--out {out_dir}: no committed shard under {shard_dir}; pass the --out directory "
+                                "of a `hspec data regenerate` run that has committed at least one batch")
+    statuses = _read_statuses(shard_dir).values()
+    counts = Counter(s["status"] for s in statuses)
+    kept = [s for s in statuses if s["status"] == "succeeded"]
+    per_split, split_tokens = merge_shards(out_dir, heldout_fraction=heldout_fraction)
+    return ShardSummary(
+        shards=len(shards), succeeded=counts["succeeded"], failed=counts["failed"], skipped=counts["skipped"],
+        target_tokens=sum(int(s["target_tokens"]) for s in kept),
+        truncated_replies=sum(int(s["truncated"]) for s in kept),
+        train_records=per_split["train"], heldout_records=per_split["heldout"],
+        train_tokens=split_tokens["train"], heldout_tokens=split_tokens["heldout"])
+
+
 # ------------------------------------------------------------------ batched regeneration
 @dataclass
 class _Pending:

@@ -232,6 +232,54 @@ def test_resume_after_partial_runs_and_torn_writes(tmp_path, tokenizer, monkeypa
     assert records(out) == records(tmp_path / "full")
 
 
+def test_merge_writes_what_a_run_stopped_before_its_end_has_committed(tmp_path, tokenizer, capsys):
+    recs = [{"id": f"r{i}", "conversations": _conv("q" * (i + 1), "a")} for i in range(7)]
+    recs.append({"id": "loop", "conversations": _conv("LOOP please", "old")})
+    kw = dict(tokenizer=tokenizer, in_paths=[_write(tmp_path / "in.jsonl", recs)], batch_size=3, max_new_tokens=40,
+              heldout_fraction=0.3, loops="drop", progress=False)
+    out = tmp_path / "out"
+    regenerate(engine=ScriptedEngine(tokenizer), out_dir=out, max_batches=2, **kw)
+    written = {p: (out / f"{p}.jsonl").read_text() for p in ("train", "heldout")}
+    for p in written:  # as a run killed after its last shard leaves them: stale or absent
+        (out / f"{p}.jsonl").unlink()
+    assert data_main(["merge", "--out", str(out), "--heldout", "0.3"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {p: (out / f"{p}.jsonl").read_text() for p in written} == written
+    ids = [r["id"] for p in written for r in read_jsonl(out / f"{p}.jsonl")]
+    statuses = [json.loads(line) for f in sorted((out / "shards").glob("*.status.jsonl")) for line in open(f)]
+    kept = [s for s in statuses if s["status"] == "succeeded"]
+    assert len(statuses) == 6 and sorted(ids) == sorted(s["id"] for s in kept)
+    assert summary == {
+        "shards": 2, "succeeded": len(kept), "failed": 0, "skipped": 6 - len(kept),
+        "target_tokens": sum(s["target_tokens"] for s in kept), "truncated_replies": 0,
+        "train_records": sum(not in_heldout(i, 0.3) for i in ids), "heldout_records": sum(in_heldout(i, 0.3) for i in ids),
+        "train_tokens": sum(s["target_tokens"] for s in kept if not in_heldout(s["id"], 0.3)),
+        "heldout_tokens": sum(s["target_tokens"] for s in kept if in_heldout(s["id"], 0.3))}
+    # each reply is 'reply <n>': 2 tokens of the tiny tokenizer or more; the scripted loop was dropped
+    assert summary["target_tokens"] >= 2 * len(kept) and 0 < summary["heldout_records"] < len(kept)
+    # a resumed run to the end writes the same split over all of its input
+    done = regenerate(engine=ScriptedEngine(tokenizer), out_dir=out, **kw)
+    assert (done.succeeded, done.skip_reasons) == (7, {"repetition_loop": 1})
+    assert data_main(["merge", "--out", str(out), "--heldout", "0.3"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["shards"], again["succeeded"], again["target_tokens"]) == (3, 7, done.target_tokens)
+    assert (again["train_records"], again["heldout_records"]) == (done.train_records, done.heldout_records)
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--out", "{tmp}/nowhere"], r"--out .*nowhere: no committed shard under .*regenerate"),
+    (["--out", "{tmp}", "--heldout", "1.5"], r"--heldout 1.5: the held-out fraction must be in \[0, 1\)"),
+])
+def test_merge_bad_input_names_the_flag_and_the_fix(tmp_path, argv, problem):
+    from sglang_hspec.cli import main as hspec_main
+
+    (tmp_path / "train.jsonl").write_text("kept\n")
+    with pytest.raises((ValueError, FileNotFoundError), match=problem):
+        data_main(["merge", *[a.format(tmp=tmp_path) for a in argv]])
+    assert hspec_main(["data", "merge", *[a.format(tmp=tmp_path) for a in argv]]) == 2
+    assert (tmp_path / "train.jsonl").read_text() == "kept\n"  # nothing written, nothing lost
+
+
 def test_bad_input_names_the_file_and_the_fix(tmp_path, tokenizer):
     with pytest.raises(FileNotFoundError, match=r"--in .*missing\.jsonl.*hspec data build"):
         regenerate(engine=None, tokenizer=tokenizer, in_paths=[tmp_path / "missing.jsonl"], out_dir=tmp_path / "o")
