@@ -1,6 +1,6 @@
 """`hspec data build | eval-texts | regenerate | merge`: the command line over training/data.py (building
-SpecForge JSONL) and training/regenerate.py (self-distilled answers). Its own module so that neither of those imports the other's
-command line: regenerate.py builds on data.py, never the reverse."""
+SpecForge JSONL) and training/regenerate.py (self-distilled answers). Its own module so that neither of
+those imports the other's command line: regenerate.py builds on data.py, never the reverse."""
 
 from __future__ import annotations
 
