@@ -149,6 +149,17 @@ def _read_statuses(shard_dir: Path) -> dict[str, dict[str, Any]]:
     return done
 
 
+def _status_totals(statuses: Iterable[dict[str, Any]]) -> tuple[Counter, int, int]:
+    """(records per status, target tokens of the kept records, their truncated replies)."""
+    counts, target_tokens, truncated = Counter(), 0, 0
+    for s in statuses:
+        counts[s["status"]] += 1
+        if s["status"] == "succeeded":
+            target_tokens += int(s["target_tokens"])
+            truncated += int(s["truncated"])
+    return counts, target_tokens, truncated
+
+
 def regenerated_ids(out_dir: str | Path) -> set[str]:
     """Ids of every record in the committed shards of a regenerate --out directory (any status)."""
     shard_dir = Path(out_dir) / SHARD_DIR
@@ -213,14 +224,11 @@ def merge(out_dir: str | Path, *, heldout_fraction: float) -> ShardSummary:
     if not shards:
         raise FileNotFoundError(f"--out {out_dir}: no committed shard under {shard_dir}; pass the --out directory "
                                 "of a `hspec data regenerate` run that has committed at least one batch")
-    statuses = _read_statuses(shard_dir).values()
-    counts = Counter(s["status"] for s in statuses)
-    kept = [s for s in statuses if s["status"] == "succeeded"]
+    counts, target_tokens, truncated = _status_totals(_read_statuses(shard_dir).values())
     per_split, split_tokens = merge_shards(out_dir, heldout_fraction=heldout_fraction)
     return ShardSummary(
         shards=len(shards), succeeded=counts["succeeded"], failed=counts["failed"], skipped=counts["skipped"],
-        target_tokens=sum(int(s["target_tokens"]) for s in kept),
-        truncated_replies=sum(int(s["truncated"]) for s in kept),
+        target_tokens=target_tokens, truncated_replies=truncated,
         train_records=per_split["train"], heldout_records=per_split["heldout"],
         train_tokens=split_tokens["train"], heldout_tokens=split_tokens["heldout"])
 
@@ -508,7 +516,7 @@ def finalize(out_dir: Path, *, num_input: int, pre_skipped: Counter, planned_ids
     answerable records; shards of other ids are kept but not counted). Records not generated yet
     (a `max_batches` stop) count as skipped with reason `not_generated_yet`, so the identity holds."""
     statuses = {i: s for i, s in _read_statuses(out_dir / SHARD_DIR).items() if i in planned_ids}
-    counts = Counter(s["status"] for s in statuses.values())
+    counts, target_tokens, truncated = _status_totals(statuses.values())
     reasons = Counter(pre_skipped)
     reasons.update(s["reason"] for s in statuses.values() if s["status"] == "skipped")
     missing = num_input - sum(pre_skipped.values()) - len(statuses)
@@ -518,8 +526,7 @@ def finalize(out_dir: Path, *, num_input: int, pre_skipped: Counter, planned_ids
     stats = RegenStats(
         input=num_input, succeeded=counts["succeeded"], failed=counts["failed"],
         skipped=sum(reasons.values()), skip_reasons=dict(sorted(reasons.items())),
-        target_tokens=sum(int(s["target_tokens"]) for s in statuses.values() if s["status"] == "succeeded"),
-        truncated_replies=sum(int(s["truncated"]) for s in statuses.values() if s["status"] == "succeeded"),
+        target_tokens=target_tokens, truncated_replies=truncated,
         train_records=per_split["train"], heldout_records=per_split["heldout"],
         train_tokens=split_tokens["train"], heldout_tokens=split_tokens["heldout"],
         this_run_records=run.records, this_run_generated_tokens=run.generated_tokens,
