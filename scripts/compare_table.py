@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sglang_hspec.training.eval import comparison_table, paired_tau_difference, plot_alpha
+from sglang_hspec.training.eval import comparison_table, paired_table, plot_alpha
 
 
 def file_names(paths: list[str]) -> list[str]:
@@ -47,19 +47,6 @@ def load_runs(paths: list[str]) -> list[dict]:
         if mine != [(r["dataset"], r["prompts"]) for r in first["results"]]:
             raise SystemExit(f"{run['drafter']} was evaluated on other prompts than {first['drafter']}")
     return runs
-
-
-def paired_table(runs: list[dict]) -> str:
-    """Markdown rows: each later run's per-prompt tau difference from the first, per temperature."""
-    first = runs[0]
-    lines = [f"Paired per prompt against {first['label']}:", "",
-             "| drafter | T | prompts | mean tau difference | SE | up / down / same |", "|---|---|---|---|---|---|"]
-    for run in runs[1:]:
-        for t in first["temperatures"]:
-            d = paired_tau_difference(first, run, t)
-            lines.append(f"| {run['label']} | {t:g} | {d['n']} | {d['mean']:+.3f} | {d['se']:.3f} | "
-                         f"{d['up']} / {d['down']} / {d['same']} |")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:

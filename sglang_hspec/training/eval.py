@@ -352,6 +352,24 @@ def paired_tau_difference(base: dict, other: dict, temperature: float) -> dict:
             "up": sum(d > 0 for d in diffs), "down": sum(d < 0 for d in diffs), "same": sum(d == 0 for d in diffs)}
 
 
+def paired_table(payloads: list[dict]) -> str:
+    """Markdown rows: each later payload's per-prompt tau difference from the first (mean, SE, prompts up / down /
+    same), per temperature; named by `label` where a payload has one, else by its drafter."""
+    first = payloads[0]
+    name = lambda p: p.get("label", p["drafter"])  # noqa: E731
+    lines = [f"Paired per prompt against {name(first)} (tau of the row's drafter minus its, per prompt):", "",
+             "| drafter | T | prompts | mean tau difference | SE | up / down / same |", "|---|---|---|---|---|---|"]
+    for other in payloads[1:]:
+        for t in first["temperatures"]:
+            d = paired_tau_difference(first, other, t)
+            if not d["n"]:
+                continue
+            se = "-" if d["se"] is None else f"{d['se']:.3f}"
+            lines.append(f"| {name(other)} | {t:g} | {d['n']} | {d['mean']:+.3f} | {se} | "
+                         f"{d['up']} / {d['down']} / {d['same']} |")
+    return "\n".join(lines) + "\n"
+
+
 def tau_per_doubling(blocks: list[int], taus: list[float]) -> float | None:
     """Least-squares slope of tau over log2(training blocks): the learning curve's gain per doubling of
     data (scripts/learning_curve.py, scripts/plot_levers.py). None with fewer than two distinct sizes."""
@@ -485,6 +503,7 @@ def run_cli(args) -> int:
     table = "\n".join(markdown_table(p) for p in payloads)
     if len(payloads) > 1:
         table += "\nComparison (same prompts, one plain baseline per prompt):\n\n" + comparison_table(payloads)
+        table += "\n" + paired_table(payloads)
     print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,8 @@
 """`hspec eval` end to end on a tiny saved target + tiny tokenizer and a random H-Spec drafter checkpoint."""
 
 import json
+import math
+import statistics
 from collections import Counter
 
 import pytest
@@ -110,6 +112,14 @@ def test_eval_compare_shares_prompts_and_reports_the_ratio_to_dspark(setup):
         steps = [q for q in runs[0]["requests"] if q["temperature"] == t]
         assert h == pytest.approx(sum(sum(q["accept_lengths"]) for q in steps) / sum(q["num_steps"] for q in steps))
         assert f"| all (pooled) | {t:g} | {h:.2f} | {d:.2f} | - | - | {h / d:.3f} |" in table
+        # the paired row: dspark's per-prompt tau minus hspec's on the same prompts, by statistics' formulas
+        per_prompt = [{(q["dataset"], q["id"]): q["tau"] for q in run["requests"] if q["temperature"] == t}
+                      for run in runs]
+        diffs = [per_prompt[1][key] - per_prompt[0][key] for key in sorted(per_prompt[0])]
+        se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+        counts = f"{sum(x > 0 for x in diffs)} / {sum(x < 0 for x in diffs)} / {sum(x == 0 for x in diffs)}"
+        assert f"| dspark | {t:g} | {len(diffs)} | {statistics.mean(diffs):+.3f} | {se:.3f} | {counts} |" in table
+    assert "Paired per prompt against hspec" in table
     assert alpha_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
