@@ -356,16 +356,16 @@ def paired_table(payloads: list[dict]) -> str:
     """Markdown rows: each later payload's per-prompt tau difference from the first (mean, SE, prompts up / down /
     same), per temperature; named by `label` where a payload has one, else by its drafter."""
     first = payloads[0]
-    name = lambda p: p.get("label", p["drafter"])  # noqa: E731
-    lines = [f"Paired per prompt against {name(first)} (tau of the row's drafter minus its, per prompt):", "",
+    names = [p.get("label", p["drafter"]) for p in payloads]
+    lines = [f"Paired per prompt against {names[0]} (tau of the row's drafter minus its, per prompt):", "",
              "| drafter | T | prompts | mean tau difference | SE | up / down / same |", "|---|---|---|---|---|---|"]
-    for other in payloads[1:]:
+    for other, name in zip(payloads[1:], names[1:]):
         for t in first["temperatures"]:
             d = paired_tau_difference(first, other, t)
             if not d["n"]:
                 continue
             se = "-" if d["se"] is None else f"{d['se']:.3f}"
-            lines.append(f"| {name(other)} | {t:g} | {d['n']} | {d['mean']:+.3f} | {se} | "
+            lines.append(f"| {name} | {t:g} | {d['n']} | {d['mean']:+.3f} | {se} | "
                          f"{d['up']} / {d['down']} / {d['same']} |")
     return "\n".join(lines) + "\n"
 
