@@ -35,6 +35,10 @@ batches: a lever that keeps it equal changes the speed only). Rows:
                       cost (compiling on the first steps; cached on disk by torch, so a second run pays less)
                       is printed per row as the steps' time beyond the median, and left out of the rates
 
+--rounds N runs the rows N times, each round in its own seeded order, and reads each ratio as the median
+over rounds of the row's rate over the baseline's in the same round (with the range): on a VM whose step
+times drift by +-20 % between rows, one pass ranks rows by when they ran, not by what they do.
+
 Prints the CPU model, its flags that matter (avx2 / avx512f / avx512_bf16 / amx_bf16), torch's
 capability string, the ISA caps set in the environment (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2` runs an AVX-512 machine as an AVX2-only one), threads, the load average (a shared
@@ -47,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -75,6 +80,25 @@ EXACT = ["training.target_probs_once=true", "training.pack_anchors=true", "train
          "training.cached_log_partition=true"]
 
 
+def round_order(rows: list, r: int, rounds: int) -> list:
+    """The rows run in round r: as listed when there is one round, else a permutation seeded by the round (the
+    same in every run of the bench), so no row keeps a position or a neighbour."""
+    return list(rows) if rounds == 1 else random.Random(r).sample(rows, len(rows))
+
+
+def paired_ratios(rates: dict[str, list[float]], baseline: str) -> dict[str, tuple[float, float, float]]:
+    """Per row: (median, min, max) over rounds of its rate over the baseline's rate in the same round. `rates`
+    holds one rate per round for every row, the baseline's included."""
+    base = rates[baseline]
+    out = {}
+    for name, values in rates.items():
+        if len(values) != len(base):
+            raise ValueError(f"row {name!r} has {len(values)} rounds, the baseline {len(base)}")
+        ratios = [v / b for v, b in zip(values, base, strict=True)]
+        out[name] = (statistics.median(ratios), min(ratios), max(ratios))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/train_hspec_smollm2.yaml")
@@ -83,8 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-length", type=int, default=None, help="data.max_length (default: the config's)")
     ap.add_argument("--out", default="runs/bench_train")
     ap.add_argument("--rows", default=None, help="comma-separated subset of the rows (default: all)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the rows this many times, each round in a seeded order; ratios are medians over "
+                         "rounds of the row over the baseline in the same round")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every row")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give at least 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)
     if out.exists():
@@ -138,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{dtype} here); bf16 native on this CPU: {native_bf16} | "
           f"{args.config}: kind {base_cfg.model.kind}, block_size {base_cfg.model.block_size}, "
           f"batch {base_cfg.data.batch_size}, max_length {base_cfg.data.max_length}, "
-          f"num_anchors {base_cfg.data.num_anchors}, {args.steps} steps per row")
+          f"num_anchors {base_cfg.data.num_anchors}, {args.steps} steps per row, {args.rounds} round(s)")
 
     from sglang_hspec.target.loading import load_target
 
@@ -158,55 +187,80 @@ def main(argv: list[str] | None = None) -> int:
         res = train(cfg, target=model, tokenizer=tok, progress=True)
         return res, time.perf_counter() - t0
 
-    results = []
     cache_notes: list[str] = []
     built: set[tuple] = set()  # the feature caches a cold run has built
-    for name, extra in rows:
-        bf16 = "bf16" in name
-        if bf16 and not native_bf16:
-            results.append({"row": name, "skipped": "bf16 is not native on this CPU (no avx512_bf16 / amx_bf16)"})
-            continue
-        cache_extra = tuple(e for e in extra if e.startswith("data.feature_cache"))
-        if cache_extra and cache_extra not in built:
-            cold, secs = run(f"feature_cache_build{'_bf16' if bf16 else ''}",
-                             BASELINE[:3] + (BF16 if bf16 else FP32) + list(cache_extra))
-            per_token = cold.cache_stats["disk_bytes"] / max(1, sum(m.tokens for m in cold.history))
-            built.add(cache_extra)
-            cache_notes.append(f"cold cache run ({'bf16' if bf16 else 'fp32'} target, builds it): "
-                               f"{secs:.1f} s for {args.steps} steps, {cold.cache_stats['disk_bytes'] / 2**20:.1f} MiB "
-                               f"on disk = {per_token / 1024:.1f} KiB per token")
-            print(cache_notes[-1])
-        res, _ = run(name, extra)
-        # median step time after the first: robust to the spikes other processes put on a shared machine
-        secs = statistics.median(m.seconds for m in (res.history[1:] or res.history))
-        last = res.history[-1]
-        tp = {"tokens_per_s": statistics.mean(m.tokens for m in res.history) / secs,
-              "blocks_per_s": statistics.mean(m.blocks for m in res.history) / secs}
-        # what the steps took beyond the median: the compile rows' one-off compilation (and any first-step cost)
-        one_off = sum(m.seconds for m in res.history) - secs * len(res.history)
-        results.append({"row": name, **tp, "loss": last.loss, "tau_prob": last.tau_prob,
-                        "blocks_per_step": res.history[-1].blocks, "tokens_per_step": res.history[-1].tokens,
-                        "one_off_seconds": one_off, "step_seconds": [m.seconds for m in res.history]})
-        print(f"[{name}] {tp['tokens_per_s']:.1f} tokens/s, {tp['blocks_per_s']:.1f} blocks/s, loss {last.loss:.4f}, "
-              f"one-off {one_off:.1f} s, step seconds {[m.seconds for m in res.history]}", flush=True)
+    skipped: dict[str, str] = {}
+    rounds: dict[str, list[dict]] = {name: [] for name, _ in rows}
+    for r in range(args.rounds):
+        for name, extra in round_order(rows, r, args.rounds):
+            bf16 = "bf16" in name
+            if bf16 and not native_bf16:
+                skipped[name] = "bf16 is not native on this CPU (no avx512_bf16 / amx_bf16)"
+                continue
+            cache_extra = tuple(e for e in extra if e.startswith("data.feature_cache"))
+            if cache_extra and cache_extra not in built:
+                cold, secs = run(f"feature_cache_build{'_bf16' if bf16 else ''}",
+                                 BASELINE[:3] + (BF16 if bf16 else FP32) + list(cache_extra))
+                per_token = cold.cache_stats["disk_bytes"] / max(1, sum(m.tokens for m in cold.history))
+                built.add(cache_extra)
+                cache_notes.append(f"cold cache run ({'bf16' if bf16 else 'fp32'} target, builds it): "
+                                   f"{secs:.1f} s for {args.steps} steps, {cold.cache_stats['disk_bytes'] / 2**20:.1f} "
+                                   f"MiB on disk = {per_token / 1024:.1f} KiB per token")
+                print(cache_notes[-1])
+            res, _ = run(name if args.rounds == 1 else f"{name} r{r}", extra)
+            # median step time after the first: robust to the spikes other processes put on a shared machine
+            secs = statistics.median(m.seconds for m in (res.history[1:] or res.history))
+            last = res.history[-1]
+            tp = {"tokens_per_s": statistics.mean(m.tokens for m in res.history) / secs,
+                  "blocks_per_s": statistics.mean(m.blocks for m in res.history) / secs}
+            # what the steps took beyond the median: the compile rows' one-off compilation (and any first-step cost)
+            one_off = sum(m.seconds for m in res.history) - secs * len(res.history)
+            rounds[name].append({**tp, "loss": last.loss, "tau_prob": last.tau_prob,
+                                 "blocks_per_step": last.blocks, "tokens_per_step": last.tokens,
+                                 "one_off_seconds": one_off, "step_seconds": [m.seconds for m in res.history]})
+            print(f"[{name}{f' round {r}' if args.rounds > 1 else ''}] {tp['tokens_per_s']:.1f} tokens/s, "
+                  f"{tp['blocks_per_s']:.1f} blocks/s, loss {last.loss:.4f}, one-off {one_off:.1f} s, "
+                  f"step seconds {[m.seconds for m in res.history]}", flush=True)
 
-    base = results[0]
+    ran = [name for name, _ in rows if rounds[name]]
+    x_tokens = paired_ratios({n: [x["tokens_per_s"] for x in rounds[n]] for n in ran}, "baseline")
+    x_blocks = paired_ratios({n: [x["blocks_per_s"] for x in rounds[n]] for n in ran}, "baseline")
+    results = []
+    for name, _ in rows:
+        if name in skipped:
+            results.append({"row": name, "skipped": skipped[name]})
+            continue
+        per_round = rounds[name]
+        losses = [x["loss"] for x in per_round]
+        results.append({
+            "row": name, **{k: per_round[-1][k] for k in ("tau_prob", "blocks_per_step", "tokens_per_step")},
+            "tokens_per_s": statistics.median(x["tokens_per_s"] for x in per_round),
+            "blocks_per_s": statistics.median(x["blocks_per_s"] for x in per_round),
+            # the same seed and batches every round: a loss that moves between rounds is a bug, not noise
+            "loss": losses[-1], "loss_spread": max(losses) - min(losses),
+            "one_off_seconds": statistics.median(x["one_off_seconds"] for x in per_round),
+            "step_seconds": per_round[-1]["step_seconds"],
+            "x_tokens": x_tokens[name][0], "x_blocks": x_blocks[name][0],
+            "x_blocks_range": list(x_blocks[name][1:]), "rounds": per_round})
+
     print(f"\n{'row':<28} {'tokens/s':>9} {'blocks/s':>9} {'x tok/s':>8} {'x blk/s':>8} {'loss@N':>8} {'one-off s':>9}  note")
     print("-" * 96)
     for r in results:
         if "skipped" in r:
             print(f"{r['row']:<28} {'-':>9} {'-':>9} {'-':>8} {'-':>8} {'-':>8} {'-':>9}  skipped: {r['skipped']}")
             continue
-        r["x_tokens"] = r["tokens_per_s"] / base["tokens_per_s"]
-        r["x_blocks"] = r["blocks_per_s"] / base["blocks_per_s"]
+        lo, hi = r["x_blocks_range"]
+        note = f"x blk/s {lo:.2f}-{hi:.2f} over {args.rounds} rounds" if args.rounds > 1 else ""
+        if r["loss_spread"] > 1e-4:
+            note += f" LOSS MOVED {r['loss_spread']:.2e} BETWEEN ROUNDS"
         print(f"{r['row']:<28} {r['tokens_per_s']:>9.1f} {r['blocks_per_s']:>9.1f} {r['x_tokens']:>7.2f}x "
-              f"{r['x_blocks']:>7.2f}x {r['loss']:>8.4f} {r['one_off_seconds']:>9.1f}")
+              f"{r['x_blocks']:>7.2f}x {r['loss']:>8.4f} {r['one_off_seconds']:>9.1f}  {note}")
     for note in cache_notes:
         print(note)
     payload = {"cpu": cpu_model(), "isa_caps": isa_caps(),
                "flags": sorted(f for f in flags if "avx" in f or "amx" in f),
                "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-               "loadavg": os.getloadavg(), "dtype": str(dtype), "steps": args.steps, "config": args.config,
+               "loadavg": os.getloadavg(), "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds, "config": args.config,
                "overrides": common, "cache": cache_notes, "rows": results}
     tmp = out / ".bench_train.json.tmp"
     tmp.write_text(json.dumps(payload, indent=1))
@@ -221,11 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         fig, ax = plt.subplots(figsize=(9, 4))
         x = range(len(shown))
         ax.bar([i - 0.2 for i in x], [r["x_tokens"] for r in shown], 0.4, label="tokens/s")
-        ax.bar([i + 0.2 for i in x], [r["x_blocks"] for r in shown], 0.4, label="blocks/s")
+        # the range over rounds as an error bar (none with one round)
+        err = [[r["x_blocks"] - r["x_blocks_range"][0] for r in shown], [r["x_blocks_range"][1] - r["x_blocks"] for r in shown]]
+        ax.bar([i + 0.2 for i in x], [r["x_blocks"] for r in shown], 0.4, yerr=err, capsize=3,
+               label="blocks/s (median over rounds, range)" if args.rounds > 1 else "blocks/s")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(list(x), [r["row"] for r in shown], rotation=30, ha="right")
         ax.set_ylabel("x baseline")
-        ax.set_title(f"training throughput, {cpu_model()}, {dtype}, {args.steps} steps")
+        ax.set_title(f"training throughput, {cpu_model()}, {dtype}, {args.steps} steps x {args.rounds} round(s)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "bench_train.png", dpi=120)
