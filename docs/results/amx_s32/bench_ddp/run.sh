@@ -3,11 +3,11 @@
 #   base: the baseline row (no levers), one process x 2 threads
 #   A:    all exact levers (warm feature cache), one process x 2 threads, 2 sequences per step
 #   B:    the same, torchrun 2 ranks x 1 thread, 1 sequence per rank (the same global batch of 2)
-# in the order base A B base A B. Waits for the regeneration's next committed shard, pauses it, restarts it after.
+# in the order base A B base A B. A and B read runs/s32/fcache_avx2, an fp32 feature cache of these 8 steps made
+# warm beforehand (the bench_dp run's cache, copied): without it A r1 fills it cold and reads slower.
 set -uo pipefail
-cd /work/main
+cd "$(dirname "$0")/../../../.."
 export HF_HUB_OFFLINE=1 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 HSPEC_CPU_BF16=0
-pkill -f "hspec data regenerate"; sleep 5
 o=runs/s32/bench_ddp; mkdir -p $o
 common=(--config configs/train_hspec_smollm2.yaml --no-progress data.train_path=data/smollm2_prompts/train.jsonl
         training.max_steps=8 training.save_every=0 training.log_every=1 model.target_dtype=fp32 training.bf16=false)
@@ -25,7 +25,6 @@ for r in 1 2; do
     "${common[@]}" "${exact[@]}" data.batch_size=1 training.output_dir=$o/B_r$r > $o/B_r$r.log 2>&1
 done
 echo "=== $(date -u +%H:%M:%S) done"
-(nohup bash runs/s32/regen.sh >> runs/s32/regen.log 2>&1 &)
 .venv/bin/python - <<'PY'
 import json, statistics
 from pathlib import Path
