@@ -29,6 +29,11 @@ batches: a lever that keeps it equal changes the speed only). Rows:
   all_exact + bf16    and bf16 (its own bf16 feature cache: a bf16 target is another target to the cache)
   all + anchors_512   and more anchors per target forward
   init=target_layers  all_exact with the drafter initialised from the target's layers (loss-slope lever)
+  fused_optimizer     AdamW as torch's fused kernel instead of its per-tensor loop (every row but the baseline has it)
+  all_exact + data_parallel
+                      all_exact trained by torchrun over --ranks processes of one thread each (the trainer's own
+                      DistributedDataParallel, gloo on a CPU), each with the batch / ranks sequences: the same global
+                      batch and loss, one process per core instead of one process's threads over the cores
   all_exact + compile, all_exact + bf16 + compile
                       and training.compile: the block attention's and the loss's elementwise cores under
                       torch.compile (inductor; trainer.use_compiled_kernels). Its one-off
@@ -54,9 +59,11 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -69,15 +76,17 @@ from sglang_hspec.target.dtypes import (
     resolve_dtype,
 )
 from sglang_hspec.training.config import load_config
-from sglang_hspec.training.trainer import train
+from sglang_hspec.training.trainer import data_parallel_command, rank_overrides, single_thread_env, train
 
 # fp32 pinned: the recipe's `auto` dtypes pick bf16 where it is native, which is a lever of its own here
 FP32 = ["model.target_dtype=fp32", "training.bf16=false"]
 BF16 = ["model.target_dtype=bf16", "training.bf16=true"]
 BASELINE = ["training.target_probs_once=false", "training.pack_anchors=false", "training.sequence_attention=false",
-            *FP32, "training.cached_log_partition=false"]
+            *FP32, "training.cached_log_partition=false", "training.fused_optimizer=false"]
 EXACT = ["training.target_probs_once=true", "training.pack_anchors=true", "training.sequence_attention=true", *FP32,
-         "training.cached_log_partition=true"]
+         "training.cached_log_partition=true", "training.fused_optimizer=true"]
+DATA_PARALLEL = "all_exact + data_parallel"
+
 
 
 def round_order(rows: list, r: int, rounds: int) -> list:
@@ -110,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the rows this many times, each round in a seeded order; ratios are medians over "
                          "rounds of the row over the baseline in the same round")
+    ap.add_argument("--ranks", type=int, default=len(os.sched_getaffinity(0)),
+                    help=f"processes of the {DATA_PARALLEL!r} row (default: the cores this process may use)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every row")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -142,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         ("anchors_512", BASELINE + ["data.num_anchors=512"]),
         ("bf16", BASELINE[:3] + BF16),
         ("all_exact (full softmax)", EXACT + cache + ["training.cached_log_partition=false"]),
+        ("fused_optimizer", BASELINE[:-1] + ["training.fused_optimizer=true"]),
         ("all_exact", EXACT + cache),
+        (DATA_PARALLEL, EXACT + cache),
         ("all_exact + bf16", EXACT[:3] + BF16 + cache_bf16),
         ("all + anchors_512", EXACT + cache + ["data.num_anchors=512"]),
         ("init=target_layers", EXACT + cache + ["model.init=target_layers"]),
@@ -157,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if r[0] in wanted or r[0] == "baseline"]
 
     base_cfg = load_config(args.config, common)
+    if any(name == DATA_PARALLEL for name, _ in rows):
+        try:
+            rank_overrides(batch_size=base_cfg.data.batch_size, ranks=args.ranks)
+        except ValueError as e:
+            ap.error(str(e))
     flags = cpu_flags()
     print(f"cpu: {cpu_model()} | flags: {' '.join(f for f in SPEED_FLAGS if f in flags)}"
           f" | torch capability {torch.backends.cpu.get_cpu_capability()} | threads {torch.get_num_threads()}"
@@ -167,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{dtype} here); bf16 native on this CPU: {native_bf16} | "
           f"{args.config}: kind {base_cfg.model.kind}, block_size {base_cfg.model.block_size}, "
           f"batch {base_cfg.data.batch_size}, max_length {base_cfg.data.max_length}, "
-          f"num_anchors {base_cfg.data.num_anchors}, {args.steps} steps per row, {args.rounds} round(s)")
+          f"num_anchors {base_cfg.data.num_anchors}, {args.steps} steps per row, {args.rounds} round(s); "
+          f"the data-parallel row: {args.ranks} ranks x 1 thread")
 
     from sglang_hspec.target.loading import load_target
 
@@ -181,11 +200,28 @@ def main(argv: list[str] | None = None) -> int:
         return loaded[key]
 
     def run(name: str, extra: list[str]):
+        if name.startswith(DATA_PARALLEL):
+            return run_ranks(name, extra)
         cfg = load_config(args.config, common + extra + [f"training.output_dir={out / name.replace(' ', '')}"])
         model, tok = target_for(cfg)
         t0 = time.perf_counter()
         res = train(cfg, target=model, tokenizer=tok, progress=True)
         return res, time.perf_counter() - t0
+
+    def run_ranks(name: str, extra: list[str]):
+        """The trainer under torchrun, one thread per rank; its rank 0 logs every step's global tokens and
+        blocks to train_log.jsonl, read back as the in-process rows' history."""
+        run_dir = out / name.replace(" ", "")
+        cmd = data_parallel_command(config=args.config, overrides=[*common, *extra, "training.log_every=1",
+                                                                   f"training.output_dir={run_dir}"],
+                                    ranks=args.ranks, batch_size=base_cfg.data.batch_size, progress=False)
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, env=single_thread_env(dict(os.environ)), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"[{name}] torchrun exited {done.returncode}:\n{done.stderr[-4000:]}")
+        log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+        history = [SimpleNamespace(**{k: m[k] for k in ("seconds", "tokens", "blocks", "loss", "tau_prob")}) for m in log]
+        return SimpleNamespace(history=history), time.perf_counter() - t0
 
     cache_notes: list[str] = []
     built: set[tuple] = set()  # the feature caches a cold run has built

@@ -9,7 +9,18 @@ if [ ! -x .venv-sglang/bin/python ]; then
 fi
 . .venv-sglang/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# no wheel cache: the CUDA libraries sglang pins would otherwise stay on disk a second time (~4 GB) beside the
+# venv, and a CI machine's disk is what this install runs out of first
+export PIP_NO_CACHE_DIR=1
 stamp=.venv-sglang/.hspec-setup-$(cat pyproject.toml scripts/setup_sglang.sh | sha1sum | cut -c1-12)
+need_gib=${HSPEC_SGLANG_DISK_GIB:-12}
+free_gib=$(( $(df -Pk . | awk 'NR==2 {print $4}') / 1048576 ))
+if [ ! -f "$stamp" ] && [ "$free_gib" -lt "$need_gib" ]; then
+  echo "scripts/setup_sglang.sh: $free_gib GiB free on $(df -P . | awk 'NR==2 {print $6}'), the install of sglang and its" \
+       "CUDA-built torch into .venv-sglang needs about $need_gib GiB: free space (old venvs, clones, ~/.cache/pip)" \
+       "and rerun; nothing was installed" >&2
+  exit 1
+fi
 if [ ! -f "$stamp" ]; then
   # SGLang and its pins first (the ~11 GB part; the exact pins live in pyproject.toml's `sglang` extra):
   # it builds nothing in this source tree, so it can run while scripts/setup.sh installs .venv

@@ -35,3 +35,4 @@ def test_ratios_pair_each_round_with_its_own_baseline(bench):
 def test_ratios_need_the_same_rounds_for_every_row(bench):
     with pytest.raises(ValueError, match="'all_exact' has 2 rounds, the baseline 3"):
         bench.paired_ratios({"baseline": [1.0, 2.0, 3.0], "all_exact": [1.0, 2.0]}, "baseline")
+

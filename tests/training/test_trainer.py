@@ -178,21 +178,59 @@ def test_block_outputs_ignore_target_tokens_after_the_anchor(kind):
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_match_one_process_with_doubled_batch(tmp_path):
-    over = SMALL + ["training.max_steps=2", "training.log_every=1", "training.device=cpu"]
-    single = train(load_config(TINY, over + ["data.batch_size=4", f"training.output_dir={tmp_path / 'one'}"]),
-                   progress=False)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HSPEC_TRAIN_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "sglang_hspec.training.trainer", "--config", str(TINY), "--no-progress",
-           *over, "data.batch_size=2", f"training.output_dir={tmp_path / 'two'}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path):
+    """`hspec train --ranks 2` (torchrun, one thread per rank) splits the recipe's batch over the ranks: every
+    step's loss and tau equal one process's with that batch."""
+    over = SMALL + ["training.max_steps=2", "training.log_every=1", "training.device=cpu", "data.batch_size=4"]
+    single = train(load_config(TINY, over + [f"training.output_dir={tmp_path / 'one'}"]), progress=False)
+    cmd = [sys.executable, "-m", "sglang_hspec.training.trainer", "--config", str(TINY), "--no-progress", "--ranks", "2",
+           *over, f"training.output_dir={tmp_path / 'two'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = [json.loads(line) for line in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2]
     for got, want in zip(log, single.history):
         assert got["loss"] == pytest.approx(want.loss, rel=1e-5)
         assert got["tau_prob"] == pytest.approx(want.tau_prob, rel=1e-5)
+
+
+def test_ranks_split_the_global_batch_and_run_one_thread_each():
+    from sglang_hspec.training.trainer import (
+        data_parallel_command,
+        rank_overrides,
+        resolve_ranks,
+        single_thread_env,
+    )
+
+    assert rank_overrides(batch_size=2, ranks=2) == ["data.batch_size=1"]
+    assert rank_overrides(batch_size=8, ranks=4) == ["data.batch_size=2"]
+    with pytest.raises(ValueError, match=r"--ranks 3 does not divide the recipe's data.batch_size=2"):
+        rank_overrides(batch_size=2, ranks=3)
+    cmd = data_parallel_command(config="c.yaml", overrides=["training.lr=1e-4"], ranks=2, batch_size=4, progress=False)
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                       "sglang_hspec.training.trainer", "--config", "c.yaml", "--no-progress", "training.lr=1e-4",
+                       "data.batch_size=2"]  # the split batch comes last, so it overrides the user's global one
+    env = single_thread_env({"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2"})
+    assert env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HSPEC_TRAIN_THREADS": "1",
+                   "ATEN_CPU_CAPABILITY": "avx2"}  # ISA caps reach the ranks
+    cfg = load_config(TINY, ["training.device=cpu"])
+    assert resolve_ranks("3", cfg) == 3
+    assert resolve_ranks("auto", cfg) == len(os.sched_getaffinity(0))
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match=f"--ranks {bad!r}: give a whole number >= 1 or auto"):
+            resolve_ranks(bad, cfg)
+
+
+def test_ranks_that_do_not_divide_the_batch_are_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from sglang_hspec.training import trainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(trainer.subprocess, "run", lambda *a, **k: pytest.fail("torchrun started"))
+    rc = trainer.main(["--config", str(TINY), "--ranks", "3", "data.batch_size=4",
+                       f"training.output_dir={tmp_path}"])
+    assert rc == 2
+    assert "--ranks 3 does not divide the recipe's data.batch_size=4" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 def _tiny(cfg):
@@ -384,6 +422,36 @@ def test_compiled_training_gives_the_eager_losses_and_weights(tmp_path, monkeypa
     # lr 3e-3: a wrong gradient moves a weight by ~lr per Adam step, rounding moves it by < 1e-4
     for name, got in comp.drafter.state_dict().items():
         torch.testing.assert_close(got, want[name], rtol=0, atol=3e-4, msg=name)
+
+
+def test_fused_optimizer_gives_the_per_tensor_losses_and_weights_and_resumes_their_checkpoints(tmp_path, monkeypatch):
+    """training.fused_optimizer runs AdamW as torch's fused kernel: the same per-step losses and final weights
+    as the per-tensor loop up to float rounding, and a checkpoint written by either resumes under the other
+    (optimizer states of training runs from before the switch keep working)."""
+    made = []
+
+    class Recorded(torch.optim.AdamW):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(bool(self.defaults.get("fused")))
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recorded)
+    over = SMALL + ["training.max_steps=4", "training.save_every=2", "model.target_dtype=fp32", "training.bf16=false"]
+    runs = {flag: train(load_config(TINY, over + [f"training.fused_optimizer={flag}",
+                                                  f"training.output_dir={tmp_path / str(flag)}"]), progress=False)
+            for flag in (False, True)}
+    assert made == [False, True]  # the switch reaches the optimizer
+    loop, fused = runs[False], runs[True]
+    assert [m.loss for m in fused.history] == pytest.approx([m.loss for m in loop.history], rel=1e-5)
+    # a wrong update moves a weight by ~lr (3e-3) per Adam step; rounding moves it by far less
+    want = loop.drafter.state_dict()
+    for name, got in fused.drafter.state_dict().items():
+        torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5, msg=name)
+    crossed = train(load_config(TINY, over + ["training.fused_optimizer=true", f"training.output_dir={tmp_path / 'x'}",
+                                              f"training.resume_from={tmp_path / 'False' / 'checkpoint-2'}"]),
+                    progress=False)
+    assert made[-1] is True and [m.step for m in crossed.history] == [3, 4]
+    assert [m.loss for m in crossed.history] == pytest.approx([m.loss for m in loop.history[2:]], rel=1e-5)
 
 
 def test_compile_without_a_cpp_compiler_is_a_clear_error(monkeypatch):
