@@ -30,8 +30,8 @@ batches: a lever that keeps it equal changes the speed only). Rows:
   all + anchors_512   and more anchors per target forward
   init=target_layers  all_exact with the drafter initialised from the target's layers (loss-slope lever)
   fused_optimizer     AdamW as torch's fused kernel instead of its per-tensor loop (every row but the baseline has it)
-  all_exact + data_parallel
-                      all_exact trained by torchrun over --ranks processes of one thread each (the trainer's own
+  all_exact + data_parallel, all_exact + bf16 + data_parallel
+                      all_exact (+ bf16) trained by torchrun over --ranks processes of one thread each (the trainer's own
                       DistributedDataParallel, gloo on a CPU), each with the batch / ranks sequences: the same global
                       batch and loss, one process per core instead of one process's threads over the cores
   all_exact + compile, all_exact + bf16 + compile
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the rows this many times, each round in a seeded order; ratios are medians over "
                          "rounds of the row over the baseline in the same round")
     ap.add_argument("--ranks", type=int, default=len(os.sched_getaffinity(0)),
-                    help=f"processes of the {DATA_PARALLEL!r} row (default: the cores this process may use)")
+                    help="processes of the data_parallel rows (default: the cores this process may use)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every row")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         ("fused_optimizer", BASELINE[:-1] + ["training.fused_optimizer=true"]),
         ("all_exact", EXACT + cache),
         (DATA_PARALLEL, EXACT + cache),
-        ("all_exact + bf16", EXACT[:3] + BF16 + cache_bf16),
+        ("all_exact + bf16", EXACT[:3] + BF16 + EXACT[-2:] + cache_bf16),
+        ("all_exact + bf16 + data_parallel", EXACT[:3] + BF16 + EXACT[-2:] + cache_bf16),
         ("all + anchors_512", EXACT + cache + ["data.num_anchors=512"]),
         ("init=target_layers", EXACT + cache + ["model.init=target_layers"]),
         ("all_exact + compile", EXACT + cache + ["training.compile=true"]),
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if r[0] in wanted or r[0] == "baseline"]
 
     base_cfg = load_config(args.config, common)
-    if any(name == DATA_PARALLEL for name, _ in rows):
+    if any(name.endswith("+ data_parallel") for name, _ in rows):
         try:
             rank_overrides(batch_size=base_cfg.data.batch_size, ranks=args.ranks)
         except ValueError as e:
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return loaded[key]
 
     def run(name: str, extra: list[str]):
-        if name.startswith(DATA_PARALLEL):
+        if name.endswith("+ data_parallel"):
             return run_ranks(name, extra)
         cfg = load_config(args.config, common + extra + [f"training.output_dir={out / name.replace(' ', '')}"])
         model, tok = target_for(cfg)
