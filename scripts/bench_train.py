@@ -88,7 +88,6 @@ EXACT = ["training.target_probs_once=true", "training.pack_anchors=true", "train
 DATA_PARALLEL = "all_exact + data_parallel"
 
 
-
 def round_order(rows: list, r: int, rounds: int) -> list:
     """The rows run in round r: as listed when there is one round, else a permutation seeded by the round (the
     same in every run of the bench), so no row keeps a position or a neighbour."""

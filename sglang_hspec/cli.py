@@ -227,7 +227,8 @@ def cmd_demo(args) -> int:
     sampling = _sampling(args)
     rows = run_side_by_side(engines, prompts, sampling, desc="MT-Bench")
     print(f"\nMT-Bench, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.target} target "
-          f"({str(adapter.dtype).replace('torch.', '')}{', batch-invariant' if adapter.batch_invariant else ''}), "
+          f"({str(adapter.dtype).replace('torch.', '')}{', batch-invariant' if adapter.batch_invariant else ''}"
+          f"{' attention only: linear rows vary on this machine' if adapter.linear_rows_invariant is False else ''}), "
           f"batch 1, temperature {args.temperature}\nmachine: {describe_machine()}\n"
           "step cost: seconds per speculative step (draft + verify) in plain decode steps, so speedup = tau / "
           "step cost; same-as-plain: prompts whose outputs are identical token for token\n")

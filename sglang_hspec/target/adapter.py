@@ -95,18 +95,42 @@ def _register_batch_invariant_attention() -> None:
     AttentionMaskInterface.register(BATCH_INVARIANT_ATTENTION, sdpa_mask)
 
 
+# SmolLM2-135M's projections: q and o, k and v, the MLP's gate / up and its down, the LM head
+TARGET_LINEAR_SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))
+
+
 @torch.no_grad()
-def linear_rows_are_batch_invariant(*, dtype: torch.dtype, in_features: int = 576, out_features: int = 1536,
+def linear_rows_are_batch_invariant(*, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...] = TARGET_LINEAR_SHAPES,
                                     rows: tuple[int, ...] = (2, 8, 9, 33), device: str | torch.device = "cpu",
                                     seed: int = 0) -> bool:
-    """Whether this machine's `F.linear` gives row 0 bit-identical results whether it runs alone or with
-    other rows (M = 1 vs the `rows` sizes): the property the batch-invariant mode relies on for the
-    linear layers and leaves to the GEMM library. The default shape is SmolLM2-135M's MLP."""
+    """Whether this machine's `F.linear` gives every row the same bits whether it runs alone or among other rows
+    (M = 1 against each of `rows`), for every (in_features, out_features) in `shapes`: the property the
+    batch-invariant mode relies on for the linear layers and leaves to the GEMM library.
+
+    Random inputs hide a different accumulation order: its fp32 rounding residue seldom moves a bf16 result by
+    an ulp (the embedded target's 1536 -> 576 down projection passed such a probe on a Zen 5 EPYC and still
+    gave 2 of 8 verify rows other bits than one-token decodes). So half of the input columns come in pairs whose
+    products cancel exactly (x, x against w, -w, 64 times larger than the rest): the result is the small terms'
+    sum, and any other order leaves a residue of the large partial sums' rounding, many ulps of it."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    weight = torch.randn(out_features, in_features, generator=gen).to(device=device, dtype=dtype)
-    x = torch.randn(max(rows), in_features, generator=gen).to(device=device, dtype=dtype)
-    alone = torch.nn.functional.linear(x[:1], weight)
-    return all(torch.equal(torch.nn.functional.linear(x[:m], weight)[:1], alone) for m in rows)
+    m = max(rows)
+    for in_features, out_features in shapes:
+        pairs = in_features // 4
+        big_x = torch.randn(m, pairs, generator=gen) * 64
+        big_w = torch.randn(out_features, pairs, generator=gen) * 64
+        small_x = torch.randn(m, in_features - 2 * pairs, generator=gen)
+        small_w = torch.randn(out_features, in_features - 2 * pairs, generator=gen)
+        x = torch.cat([big_x, small_x, big_x], 1).to(device=device, dtype=dtype)
+        weight = torch.cat([big_w, small_w, -big_w], 1).to(device=device, dtype=dtype)
+        alone = torch.cat([torch.nn.functional.linear(x[r:r + 1], weight) for r in range(m)])
+        if not all(torch.equal(torch.nn.functional.linear(x[:n], weight), alone[:n]) for n in rows):
+            return False
+    return True
+
+
+def linear_shapes(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """The distinct (in_features, out_features) of a model's linear layers, in the order they appear."""
+    return tuple(dict.fromkeys((m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)))
 
 
 def consecutive_span(rows: torch.Tensor) -> tuple[int, int] | None:
@@ -248,6 +272,8 @@ class TargetAdapter:
         # looked up once (every decode step passes it); fails now on a model that takes no KV cache
         self._cache_arg = cache_kwarg(model)
         self.batch_invariant = bool(batch_invariant)
+        # whether this machine's linear layers are row-invariant too (load_target checks it with the mode; None: unchecked)
+        self.linear_rows_invariant: bool | None = None
         if self.batch_invariant:  # the model object itself switches: every forward of it, ours or not
             _register_batch_invariant_attention()
             model.set_attn_implementation(BATCH_INVARIANT_ATTENTION)

@@ -9,12 +9,13 @@ Hugging Face model directory (config.json + weights). Nothing is ever fetched fr
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sglang_hspec.target.adapter import TargetAdapter
+from sglang_hspec.target.adapter import TargetAdapter, linear_rows_are_batch_invariant, linear_shapes
 from sglang_hspec.target.dtypes import resolve_dtype
 
 TARGET_SPECS = ("embedded", "tiny", "<local Hugging Face model directory>")
@@ -70,4 +71,14 @@ def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto", de
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.eval().requires_grad_(False)
-    return TargetAdapter(model, tokenizer=tokenizer, batch_invariant=batch_invariant)
+    adapter = TargetAdapter(model, tokenizer=tokenizer, batch_invariant=batch_invariant)
+    if batch_invariant:
+        # the mode makes attention invariant; the linear layers are the GEMM library's, so look at this machine's
+        adapter.linear_rows_invariant = linear_rows_are_batch_invariant(dtype=dt, shapes=linear_shapes(model),
+                                                                        device=device)
+        if not adapter.linear_rows_invariant:
+            print(f"warning: --batch-invariant: this machine's {str(dt).replace('torch.', '')} linear layers give a row "
+                  "other bits when other rows share the product, so the mode makes the target's attention invariant "
+                  "only, and greedy speculation can still differ from plain decoding where the target's top two logits "
+                  "are within one rounding step (docs/results.md, 'bf16 greedy identity')", file=sys.stderr)
+    return adapter

@@ -89,8 +89,60 @@ def test_adapter_switches_the_model_and_keeps_float64_results():
                                reference.full_forward(ids, return_logits=True).logits, rtol=1e-9, atol=1e-9)
 
 
+def test_the_linear_probe_tells_a_row_wise_gemm_from_one_that_reorders_its_sum(monkeypatch):
+    """linear_rows_are_batch_invariant against two stand-in GEMMs: one that runs every row alone (invariant by
+    construction) and one whose multi-row path sums the inner dimension in two halves (another order only;
+    its results are right to float rounding). The probe's cancelling columns must expose the second, in every
+    row it compares, and pass the first."""
+    real = F.linear
+
+    def row_wise(x, w, b=None):
+        return torch.cat([real(x[r:r + 1], w, b) for r in range(x.shape[0])])
+
+    def split_sum(x, w, b=None):  # fp32 accumulation in another order, rounded once to the input's dtype
+        if x.shape[0] == 1:
+            return real(x, w, b)
+        h = x.shape[1] // 2
+        return (real(x[:, :h].float(), w[:, :h].float()) + real(x[:, h:].float(), w[:, h:].float())).to(x.dtype)
+
+    shapes = ((64, 128), (128, 64), (1536, 576))
+    monkeypatch.setattr(torch.nn.functional, "linear", row_wise)
+    assert linear_rows_are_batch_invariant(dtype=torch.bfloat16, shapes=shapes)
+    monkeypatch.setattr(torch.nn.functional, "linear", split_sum)
+    # each shape on its own is caught in bf16, where an order's fp32 residue seldom moves a random input's
+    # result by an ulp (a probe of random inputs passed this GEMM at all three shapes)
+    for shape in shapes:
+        assert not linear_rows_are_batch_invariant(dtype=torch.bfloat16, shapes=(shape,))
+
+
+def test_linear_shapes_of_the_tiny_target_by_hand():
+    from sglang_hspec.target.adapter import linear_shapes
+
+    # hidden 64, 4 heads x 16 = 64 (q, o), 2 kv heads x 16 = 32 (k, v), MLP 128, vocabulary 128 (the LM head)
+    assert linear_shapes(tiny_target("llama", num_layers=2)) == ((64, 64), (64, 32), (64, 128), (128, 64))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_batch_invariant_loading_says_when_the_linear_layers_are_not(monkeypatch, capsys, invariant):
+    from sglang_hspec.target import loading
+
+    asked = []
+
+    def probe(*, dtype, shapes, device):
+        asked.append((dtype, shapes))
+        return invariant
+
+    monkeypatch.setattr(loading, "linear_rows_are_batch_invariant", probe)
+    adapter = loading.load_target("tiny", dtype="bf16", batch_invariant=True)
+    assert asked == [(torch.bfloat16, ((64, 64), (64, 32), (64, 128), (128, 64)))]  # the target's own shapes
+    assert adapter.linear_rows_invariant is invariant
+    warned = "--batch-invariant: this machine's bfloat16 linear layers give a row other bits" in capsys.readouterr().err
+    assert warned is not invariant
+    assert loading.load_target("tiny", dtype="bf16").linear_rows_invariant is None and len(asked) == 1
+
+
 def test_verify_forward_equals_one_token_decodes_bitwise_in_bf16():
-    if not linear_rows_are_batch_invariant(dtype=torch.bfloat16, in_features=64, out_features=128):
+    if not linear_rows_are_batch_invariant(dtype=torch.bfloat16, shapes=((64, 128), (128, 64))):
         pytest.skip("this CPU's bf16 GEMM gives a row different bits with other rows present; the mode makes "
                     "attention invariant only (docs/results.md, 'bf16 greedy identity')")
     adapter = _bf16_adapter(True)
@@ -109,7 +161,7 @@ def test_bf16_greedy_speculation_is_token_identical_to_plain():
     """bf16 tiny target, n-gram drafter (repetitive prompts, so blocks are long and partly accepted):
     6 prompts x 40 tokens, every output equal to plain decoding's. The same run with batch_invariant=False
     gives 5/6 on this AVX2 CPU (first diff at token 3, logit gap 0.0156: one bf16 ulp)."""
-    if not linear_rows_are_batch_invariant(dtype=torch.bfloat16, in_features=64, out_features=128):
+    if not linear_rows_are_batch_invariant(dtype=torch.bfloat16, shapes=((64, 128), (128, 64))):
         pytest.skip("this CPU's bf16 GEMM is not row-invariant (see the test above)")
     adapter = _bf16_adapter(True)
     gen = torch.Generator().manual_seed(4)

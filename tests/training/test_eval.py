@@ -13,7 +13,7 @@ from sglang_hspec.assets.tiny import save_tiny_target, tiny_tokenizer
 from sglang_hspec.cli import main
 from sglang_hspec.model import HSpecConfig, build_drafter, save_drafter
 from sglang_hspec.target.geometry import TargetGeometry
-from sglang_hspec.training.eval import distinct_labels, parse_temperatures, pooled_tau
+from sglang_hspec.training.eval import distinct_labels, parse_temperatures, pooled_tau, pooled_tau_interval
 
 PROMPTS = [
     {"id": "a1", "turns": ["def add(a, b):", "and now subtract"], "dataset": "code"},
@@ -189,3 +189,35 @@ def test_paired_tau_difference_by_hand():
     assert paired_tau_difference(base, new, 1.0)["n"] == 0
     with pytest.raises(ValueError, match="different prompts"):
         paired_tau_difference(base, _payload("short", {("gsm8k", "a"): 2.0}), 0.0)
+
+
+def _requests(rows):
+    """(dataset, [accept lengths]) -> eval request records at T = 0."""
+    return {"requests": [{"dataset": d, "temperature": 0.0, "accept_lengths": a, "num_steps": len(a)} for d, a in rows]}
+
+
+def test_pooled_tau_interval_by_hand():
+    # one dataset, two prompts of tau 1 and 3 (one step each): a draw of two prompts pools to 1, 2 or 3 with
+    # probabilities 1/4, 1/2, 1/4, so the 2.5 % and 97.5 % points of 2,000 draws are 1 and 3
+    assert pooled_tau_interval(_requests([("a", [1]), ("a", [3])]), 0.0) == (1.0, 3.0)
+    # identical prompts: no spread to resample
+    assert pooled_tau_interval(_requests([("a", [2, 2]), ("a", [2, 2]), ("a", [2, 2])]), 0.0) == (2.0, 2.0)
+    # within-dataset resampling: two sets that differ from each other but not inside keep the pooled 2.0 exactly
+    # (resampling prompts across sets would draw 1.0 to 3.0)
+    rows = [("a", [1])] * 5 + [("b", [3])] * 5
+    assert pooled_tau_interval(_requests(rows), 0.0) == (2.0, 2.0)
+    assert pooled_tau_interval(_requests([("a", [2])]), 0.0) is None  # one prompt: no interval
+    assert pooled_tau_interval(_requests(rows), 1.0) is None  # no prompt at that temperature
+
+
+def test_pooled_tau_interval_covers_a_known_mean():
+    """Coverage with a fixed seed: prompts whose per-step accept lengths are iid uniform on 1..3 (mean 2). Over 40
+    seeded sets of 30 prompts the 95 % interval should cover 2.0 in about 38; fewer than 33 has probability
+    < 0.2 % for a correct 95 % interval (binomial), so the test catches an interval that is far too narrow."""
+    rng = torch.Generator().manual_seed(0)
+    covered = 0
+    for trial in range(40):
+        rows = [("a" if i % 2 else "b", (torch.randint(1, 4, (8,), generator=rng)).tolist()) for i in range(30)]
+        lo, hi = pooled_tau_interval(_requests(rows), 0.0, resamples=500, seed=trial)
+        covered += lo <= 2.0 <= hi
+    assert covered >= 33
