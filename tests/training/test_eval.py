@@ -75,6 +75,8 @@ def test_eval_writes_consistent_json_markdown_png_and_records(setup):
         assert r["speedup"] > 0
         assert r["identical_to_plain"] is (True if r["temperature"] == 0 else None)
         assert f"| {r['dataset']} | {r['temperature']:g} | 2 | {r['tau']:.2f} |" in table
+    for t in (0.0, 1.0):  # the pooled tau over both datasets, with its bootstrap interval
+        assert f"Pooled over 4 prompts at T = {t:g}: tau {pooled_tau(payload, t):.3f}, 95 % interval " in table
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # one shard stem per (dataset, temperature); every verify with >= 1 draft is one record row
