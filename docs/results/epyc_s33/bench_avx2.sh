@@ -4,4 +4,4 @@
 cd "$(dirname "$0")/../../.."
 export HF_HUB_OFFLINE=1 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 HSPEC_CPU_BF16=0 HSPEC_TRAIN_THREADS=2
 .venv/bin/python scripts/bench_train.py --data data/smollm2_prompts/train.jsonl --steps 8 --rounds 3 \
-  --rows "fused_optimizer,all_exact,all_exact + data_parallel" --out runs/s33/bench_avx2
+  --rows "fused_optimizer,all_exact,all_exact + data_parallel" --out runs/bench_avx2
