@@ -82,3 +82,21 @@ def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto", de
                   "only, and greedy speculation can still differ from plain decoding where the target's top two logits "
                   "are within one rounding step (docs/results.md, 'bf16 greedy identity')", file=sys.stderr)
     return adapter
+
+
+def load_tokenizer(spec: str = "embedded"):
+    """The tokenizer of the target named by `spec`, without its weights (packing data needs only this)."""
+    spec = _ALIASES.get(str(spec), str(spec))
+    from transformers import AutoTokenizer
+
+    if spec == "embedded":
+        from sglang_hspec.assets.embedded import embedded_target_dir
+
+        return AutoTokenizer.from_pretrained(embedded_target_dir(), local_files_only=True)
+    if spec == "tiny":
+        raise ValueError("target 'tiny' has no tokenizer: pass --target embedded or a local HF chat model directory")
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--target {spec}: neither 'embedded' nor a local Hugging Face model directory "
+                                f"({path / 'config.json'} does not exist)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,5 +1,6 @@
-"""`hspec data build | eval-texts | regenerate | merge`: the command line over training/data.py (building
-SpecForge JSONL) and training/regenerate.py (self-distilled answers). Its own module so that neither of
+"""`hspec data build | eval-texts | regenerate | merge | pack | unpack`: the command line over training/data.py
+(building SpecForge JSONL), training/regenerate.py (self-distilled answers) and training/packed.py (compact
+committed shards). Its own module so that neither of
 those imports the other's command line: regenerate.py builds on data.py, never the reverse."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from sglang_hspec.training.data import (
     build_dataset,
@@ -46,6 +48,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--heldout", type=float, default=0.02,
                    help="held-out fraction (split by id hash): the one the regenerate run used")
     m.set_defaults(func=run_cli)
+    k = sub.add_parser("pack", help="a regenerate --out directory (or a SpecForge JSONL) -> compact committed shards "
+                                    "(uint16 token ids, loss-mask bits, manifest) that `hspec train` reads directly")
+    k.add_argument("--in", dest="in_path", required=True,
+                   help="the --out directory of `hspec data regenerate` (one packed shard per committed shard) or a "
+                        "SpecForge JSONL file")
+    k.add_argument("--out", required=True, help="packed directory (manifest.json + NNNNNN.npz); shards already "
+                                                "packed from the same source are kept")
+    k.add_argument("--target", default="embedded", help="the target whose tokenizer renders the conversations")
+    k.add_argument("--heldout", type=float, default=0.02, help="held-out fraction (split by id hash)")
+    k.add_argument("--prompts", default=None, help="the `hspec data build --out` directory the prompts came from "
+                                                   "(its build_stats.json goes into the manifest)")
+    k.add_argument("--prompts-command", default=None, help="the `hspec data build` command, for the manifest")
+    k.set_defaults(func=run_cli)
+    u = sub.add_parser("unpack", help="a packed directory -> SpecForge JSONL (train.jsonl / heldout.jsonl)")
+    u.add_argument("--in", dest="in_path", required=True, help="packed directory (with manifest.json)")
+    u.add_argument("--out", required=True, help="output directory")
+    u.add_argument("--target", default="embedded", help="the target whose tokenizer decodes the ids")
+    u.set_defaults(func=run_cli)
     return p
 
 
@@ -80,9 +100,30 @@ def run_cli(args) -> int:
 
         print(json.dumps(msgspec.structs.asdict(merge(args.out, heldout_fraction=args.heldout))))
         return 0
+    if args.data_command in ("pack", "unpack"):
+        return _run_pack(args)
     from sglang_hspec.training.regenerate import run_cli as run_regenerate
 
     return run_regenerate(args)
+
+
+def _run_pack(args) -> int:
+    from sglang_hspec.target.loading import load_tokenizer
+    from sglang_hspec.training import packed
+
+    tokenizer = load_tokenizer(args.target)
+    if args.data_command == "unpack":
+        print(json.dumps({"out": args.out, "records": packed.unpack(path=args.in_path, out_dir=args.out,
+                                                                    tokenizer=tokenizer)}))
+        return 0
+    manifest = packed.pack(in_path=args.in_path, out_dir=args.out, tokenizer=tokenizer, target=args.target,
+                           heldout_fraction=args.heldout,
+                           prompt_sources=packed.prompt_sources_of(args.prompts, args.prompts_command))
+    size = sum((Path(args.out) / s.file).stat().st_size for s in manifest.shards)
+    print(json.dumps({"out": args.out, "shards": len(manifest.shards), "conversations": manifest.conversations,
+                      "tokens": manifest.tokens, "target_tokens": manifest.target_tokens,
+                      "heldout": len(manifest.heldout_ids), "bytes": size}))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

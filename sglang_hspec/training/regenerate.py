@@ -35,6 +35,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -570,6 +571,25 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--threads", type=int, default=1, help="torch threads (1 leaves the other cores free)")
 
 
+RUNS_FILE = "runs.jsonl"
+
+
+def record_run(out_dir: str | Path, *, settings: dict[str, Any], dtype: str, device: str) -> None:
+    """Append this run's command, settings and machine to out_dir/runs.jsonl (what `hspec data pack` puts into
+    a packed set's manifest: how its replies were written)."""
+    import shlex
+
+    from sglang_hspec.target.dtypes import describe_machine
+
+    row = {"command": "hspec " + shlex.join(sys.argv[1:]) if sys.argv[1:] else None, "settings": settings,
+           "dtype": dtype, "device": device, "machine": describe_machine(),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = Path(out_dir) / RUNS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    previous = path.read_text(encoding="utf-8") if path.is_file() else ""
+    _write_atomic(path, [previous, json.dumps(row, ensure_ascii=False) + "\n"])
+
+
 def run_cli(args) -> int:
     import torch
 
@@ -584,6 +604,8 @@ def run_cli(args) -> int:
     torch.set_num_threads(args.threads)
     # dozens of requests per forward: the batched workload's dtype (target/dtypes.py)
     adapter = load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), workload="batch")
+    record_run(args.out, settings={k: v for k, v in vars(args).items() if k != "func"},
+               dtype=str(adapter.dtype).replace("torch.", ""), device=str(adapter.device))
     if args.drafter == "none":
         engine = ContinuousDecoder(adapter, slots=args.slots)
     else:

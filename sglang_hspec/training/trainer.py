@@ -277,8 +277,13 @@ def _load_examples(cfg: TrainConfig, tokenizer, *, progress: bool = False) -> li
         examples = load_examples(patterned_examples(**d.synthetic.model_dump()), tokenizer=tokenizer,
                                  max_length=d.max_length)
     else:
+        from sglang_hspec.training.packed import is_packed, load_packed_examples
+
+        if is_packed(d.train_path):  # a packed set (training/packed.py): already tokenized, checked by sha256
+            return load_packed_examples(d.train_path, tokenizer=tokenizer, max_length=d.max_length)
         if not Path(d.train_path).is_file():
-            raise FileNotFoundError(f"data.train_path {d.train_path} not found; build it with `hspec data build`")
+            raise FileNotFoundError(f"data.train_path {d.train_path} not found; build it with `hspec data build`, "
+                                    "or point it at a packed directory (its manifest.json)")
         examples = load_examples_cached(d.train_path, tokenizer=tokenizer, max_length=d.max_length,
                                         cache_dir=default_cache_dir() / "examples" if d.tokenized_cache else None,
                                         progress=progress)
