@@ -463,6 +463,114 @@ class TargetAdapter:
             start = end
         return ExtendOutput(logits=torch.cat(logits), hidden=hidden)
 
+    # ------------------------------------------------------------------ tree verify
+
+    @torch.no_grad()
+    def extend_tree(self, tokens: torch.Tensor, *, parents: torch.Tensor, rows: torch.Tensor | None = None,
+                    hidden_layer_ids=()) -> ExtendOutput:
+        """Run one token tree per row [B, M] on top of each row's cache in one forward; commits nothing.
+
+        parents [B, M]: node i's parent node (0 <= parents[b, i] < i), -1 for a root. Node 0 is the root
+        (the anchor); a row with fewer nodes pads with roots (-1), which see only the prefix and themselves.
+        Node i of row b (prefix length s = lengths[row]) sits at position s + depth(i), writes its K/V at
+        time index s + i, and attends to the committed prefix [0, s) and to its own ancestors and itself,
+        so its logits are those of a chain forward of its root-to-node path. `commit_path` then keeps one
+        root-to-node path per row. Returns logits [B, M, V] and hidden states [B, M, n_ids, hidden]."""
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("call reset(rows) before extend_tree")
+        tokens, parents = tokens.to(self.device), parents.to(self.device)
+        b, m = tokens.shape
+        if parents.shape != tokens.shape:
+            raise ValueError(f"parents {tuple(parents.shape)} must have the shape of tokens {tuple(tokens.shape)}")
+        node = torch.arange(m, device=self.device)
+        if m and (bool((parents[:, 0] != -1).any()) or bool(((parents >= node) | (parents < -1)).any())):
+            raise ValueError("extend_tree needs parents[:, 0] == -1 and -1 <= parents[b, i] < i (nodes in "
+                             "topological order, node 0 the root)")
+        if rows is None:
+            rows = torch.arange(cache.rows, device=self.device)
+        rows = rows.to(self.device)
+        if rows.shape[0] != b:
+            raise ValueError(f"tokens has {b} rows but {rows.shape[0]} cache rows were given")
+        self.check_layer_ids(hidden_layer_ids)
+        # depth and ancestor-or-self sets, node by node (a parent precedes its children)
+        depth = torch.zeros((b, m), dtype=torch.long, device=self.device)
+        ancestors = torch.zeros((b, m, m), dtype=torch.bool, device=self.device)
+        batch = torch.arange(b, device=self.device)
+        for i in range(m):
+            par = parents[:, i]
+            has = par >= 0
+            pi = par.clamp_min(0)
+            depth[:, i] = torch.where(has, depth[batch, pi] + 1, 0)
+            ancestors[:, i] = ancestors[batch, pi] & has[:, None]
+            ancestors[:, i, i] = True
+        start = cache.lengths[rows]
+        positions = start[:, None] + depth
+        write_index = start[:, None] + node[None, :]
+        end = int(write_index.max().item()) + 1 if b and m else 0
+        if b and m and int(positions.max().item()) + 1 > self.max_context:
+            raise ValueError(f"the tree would reach position {int(positions.max())}, beyond the target's context "
+                             f"of {self.max_context}; shorten the prompt or lower max_new_tokens")
+        cache.ensure_capacity(end)
+        cols = torch.arange(end, device=self.device)
+        rel = cols[None, :] - start[:, None]  # [B, T]: key column's node index within the row's tree
+        in_tree = (rel >= 0) & (rel < m)
+        tree_seen = ancestors.gather(2, rel.clamp(0, max(m - 1, 0))[:, None, :].expand(b, m, end))
+        allowed = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_seen)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        cache._rows, cache._write_index, cache._read_len, cache._writes = rows, write_index, end, 0
+        cache._row_span = consecutive_span(rows)
+        try:
+            with self._capture_hidden(hidden_layer_ids) as captured:
+                out = call_with_cache(self.model, cache, cache_arg=self._cache_arg, input_ids=tokens,
+                                      attention_mask=mask[:, None], position_ids=positions)
+        finally:
+            cache._rows = cache._write_index = cache._row_span = None
+        if cache._writes != self.num_layers:
+            raise RuntimeError(
+                f"the target wrote {cache._writes} of its {self.num_layers} layers' K/V into the ragged cache: "
+                "its forward ignored the cache argument (see sglang_hspec.target.hf_compat)"
+            )
+        hidden = None
+        if len(hidden_layer_ids):
+            hidden = torch.stack([captured[int(i)] for i in hidden_layer_ids], dim=2)
+        return ExtendOutput(logits=out.logits.float(), hidden=hidden)
+
+    @torch.no_grad()
+    def commit_path(self, path: torch.Tensor, *, path_lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """After `extend_tree`: keep each row's accepted root-to-node path and drop the rest of its tree.
+
+        path [B, A]: row b's first path_lengths[b] entries are the node indices of its path from the root
+        (path[b, 0] == 0, each the parent of the next). Node path[b, t] sits at position s + t, so its K/V
+        (written at time index s + path[b, t]) is copied to time index s + t: O(accepted) copies per layer,
+        only where a node is not already in place; the row's length becomes s + path_lengths[b]. The cache
+        then holds what a chain extend of the path would have written."""
+        cache = self.cache
+        if rows is None:
+            rows = torch.arange(cache.rows, device=self.device)
+        rows, path, path_lengths = rows.to(self.device), path.to(self.device), path_lengths.to(self.device)
+        b, a = path.shape
+        if b != rows.shape[0] or path_lengths.shape != (b,):
+            raise ValueError(f"path {tuple(path.shape)}, path_lengths {tuple(path_lengths.shape)} and rows "
+                             f"{tuple(rows.shape)} must agree on the batch")
+        slot = torch.arange(a, device=self.device)[None, :]
+        valid = slot < path_lengths[:, None]
+        if bool((path_lengths < 1).any()) or bool((path[:, 0] != 0).any()) or bool((valid & (path < slot)).any()):
+            raise ValueError("commit_path needs every path to start at the root (node 0) and hold >= 1 node, "
+                             "node indices non-decreasing in depth (path[b, t] >= t)")
+        start = cache.lengths[rows]
+        moved = valid & (path != slot)
+        if bool(moved.any()):
+            r, t = moved.nonzero(as_tuple=True)
+            src, dst = start[r] + path[r, t], start[r] + t
+            for layer in cache.layers:
+                # the sources are read before any write (advanced indexing copies); a source never lies below
+                # another moved node's destination, so the order does not matter
+                layer.keys[rows[r], :, dst] = layer.keys[rows[r], :, src]
+                layer.values[rows[r], :, dst] = layer.values[rows[r], :, src]
+        cache.lengths[rows] = start + path_lengths
+
     def truncate(self, lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Roll rows back to `lengths` committed tokens (O(1): entries past the length are masked and
         later overwritten)."""
