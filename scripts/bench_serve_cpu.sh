@@ -26,7 +26,7 @@
 # bfloat16 only where the CPU computes it natively, see sglang_hspec/target/dtypes.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-docs/results/serve_cpu}
+out=${1:-out/bench_serve}
 servers=${SERVERS:-none,HSPEC,HSPEC+auto}
 limit=${LIMIT:-8}
 max_tokens=${MAX_TOKENS:-32}
@@ -62,7 +62,7 @@ launch() {  # name port plugins env... -- args...
   echo "$name not ready"; exit 1
 }
 spec=(--speculative-algorithm HSPEC --speculative-draft-model-path "$drafter")
-sts=(--speculative-dspark-confidence-sts-path docs/results/sts_hspec_smollm2.json)
+sts=(--speculative-dspark-confidence-sts-path docs/results/calibration/sts_hspec_smollm2.json)
 compare=()
 port=30000
 IFS=, read -ra names <<< "$servers"

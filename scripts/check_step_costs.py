@@ -7,7 +7,7 @@ seconds `StepCosts` predicts for the same step from the table, and prints both w
 above 1 is a step the switch thinks cheaper than it is: where it decides "speculate" on such a step, it
 can lose to plain decoding.
 
-    python scripts/check_step_costs.py --sps-table docs/results/policies_smollm2_cpu.sps.json --dtype fp32
+    python scripts/check_step_costs.py --sps-table docs/results/policies/2026-12-05_epyc-zen5/policies_mtbench.sps.json --dtype fp32
 """
 
 from __future__ import annotations

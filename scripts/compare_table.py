@@ -1,7 +1,7 @@
 """Merge `hspec eval` results of several runs into one comparison table and one alpha_j plot.
 
-    python scripts/compare_table.py docs/results/compare_step100.json docs/results/compare_dflash_step100.json \
-        --markdown docs/results/compare_all_step100.md --alpha-plot docs/results/fig4_alpha_step100.png
+    python scripts/compare_table.py out/eval_a.json out/eval_b.json \
+        --markdown out/compare.md --alpha-plot out/compare_alpha.png
 
 Each file is an `hspec eval --out` JSON: one drafter's payload, or `{"runs": [...]}` from `--compare`.
 Speedups stay those of their own run (each run measured its own plain baseline); tau does not depend

@@ -8,7 +8,7 @@
 
 Each `--arm LABEL=KIND [section.key=value ...]` is one curve: model.kind KIND with its own overrides (on top of
 the shared ones), trained in <out>/LABEL; `--kinds a,b` is short for `--arm a=a --arm b=b`. Lever runs compare
-an arm against the baseline curve (docs/results/learning_curve/curve.json) with scripts/plot_levers.py.
+an arm against the baseline curve (docs/results/drafter/2026-12-02_epyc-bf16_learning-curve/curve.json).
 
 Each kind trains once over the whole `--max-steps` schedule (configs/train_<kind>_smollm2.yaml plus the
 overrides; cosine learning rate over --max-steps, so intermediate points are not annealed), in slices:

@@ -41,7 +41,7 @@ from sglang_hspec.sglang_plugin.step_timer import snapshot_delta  # noqa: E402
 from sglang_hspec.target.dtypes import describe_machine as cpu_description  # noqa: E402
 
 DRAFTER = REPO / "sglang_hspec" / "checkpoints" / "hspec-smollm2"
-STS = REPO / "docs" / "results" / "sts_hspec_smollm2.json"
+STS = REPO / "docs" / "results" / "calibration" / "sts_hspec_smollm2.json"
 SPS = REPO / "docs" / "results" / "serve_cpu" / "sps_auto_profiled.json"
 SERVERS = ("none", "static", "compact", "never", "auto")
 # (segment, label, ours?) in the order of the table; shares of step + loop

@@ -3,7 +3,7 @@ of them aborted mid-generation, outputs of the unaborted ones compared with a no
 same target (greedy, float32). Prints and writes a JSON summary: requests, completed, aborted, failed,
 mismatched, KV tokens leaked (/v1/loads after draining), server RSS at start and end.
 
-  .venv-sglang/bin/python scripts/soak_sglang.py --minutes 10 --out docs/results/soak.json
+  .venv-sglang/bin/python scripts/soak_sglang.py --minutes 10 --out docs/results/serving/2026-12-01_epyc-avx2_soak/soak.json
 """
 
 from __future__ import annotations

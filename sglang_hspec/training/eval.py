@@ -406,7 +406,7 @@ def paired_table(payloads: list[dict]) -> str:
 
 def tau_per_doubling(blocks: list[int], taus: list[float]) -> float | None:
     """Least-squares slope of tau over log2(training blocks): the learning curve's gain per doubling of
-    data (scripts/learning_curve.py, scripts/plot_levers.py). None with fewer than two distinct sizes."""
+    data (scripts/learning_curve.py). None with fewer than two distinct sizes."""
     if len(blocks) < 2:
         return None
     xs = [math.log2(b) for b in blocks]
@@ -416,7 +416,7 @@ def tau_per_doubling(blocks: list[int], taus: list[float]) -> float | None:
 
 
 def save_tau_curve(fig, ax, path: str | Path, *, title: str, xlabel: str = "training blocks seen") -> Path:
-    """The learning-curve plots' common finish (scripts/learning_curve.py, plot_levers.py, plot_lineage.py):
+    """The learning-curve plots' common finish (scripts/learning_curve.py):
     held-out tau over log2 blocks, legend, grid; written atomically as PNG."""
     from sglang_hspec.core.atomic import atomic_open
 

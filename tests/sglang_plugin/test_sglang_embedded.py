@@ -18,7 +18,7 @@ import pytest
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.integration]
 
 N_PROMPTS, MAX_NEW = 10, 64
-SHIPPED_STS = Path(__file__).resolve().parents[2] / "docs" / "results" / "sts_hspec_smollm2.json"
+SHIPPED_STS = Path(__file__).resolve().parents[2] / "docs" / "results" / "calibration" / "sts_hspec_smollm2.json"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,0 @@
-#!/usr/bin/env bash
-# training throughput under the AVX2 cap, paired in 5 rounds: baseline, all exact levers in one 2-thread process,
-# and the same over 2 ranks x 1 thread (hspec train --ranks 2's command)
-cd "$(dirname "$0")/../../.."
-export HF_HUB_OFFLINE=1 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 HSPEC_CPU_BF16=0 HSPEC_TRAIN_THREADS=2
-.venv/bin/python scripts/bench_train.py --data data/smollm2_prompts/train.jsonl --steps 8 --rounds 5 \
-  --rows "all_exact,all_exact + data_parallel" --out runs/bench_avx2_r5
