@@ -304,7 +304,9 @@ def format_table(summaries: Sequence[LevelSummary], baseline: str | None) -> str
     return "\n".join(lines)
 
 
-def plot(summaries: Sequence[LevelSummary], path: Path) -> None:
+def figure(summaries: Sequence[LevelSummary]):
+    """The three panels of bench_serve.png. Each server keeps one colour in every panel (the legend is drawn on
+    the first only), including the tau panel, where a server without speculation has no line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,6 +314,7 @@ def plot(summaries: Sequence[LevelSummary], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     servers = list(dict.fromkeys(s.server for s in summaries))
+    colours = {server: f"C{i % 10}" for i, server in enumerate(servers)}
     panels = [
         ("throughput_tok_s", "output throughput (tok/s)"),
         ("per_user_tok_s_p50", "per-user tok/s (p50)"),
@@ -322,7 +325,7 @@ def plot(summaries: Sequence[LevelSummary], path: Path) -> None:
             pts = [(s.concurrency, getattr(s, field)) for s in summaries if s.server == server]
             pts = [(c, v) for c, v in pts if v is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=server)
+                ax.plot(*zip(*pts), marker="o", label=server, color=colours[server])
         ax.set_xscale("log", base=2)
         levels = sorted({s.concurrency for s in summaries})
         ax.set_xticks(levels, [str(c) for c in levels])
@@ -331,8 +334,23 @@ def plot(summaries: Sequence[LevelSummary], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(summaries: Sequence[LevelSummary], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(summaries)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def replot(json_path: Path) -> Path:
+    """Redraw bench_serve.png beside a committed bench_serve.json from its rows."""
+    rows = msgspec.json.decode(Path(json_path).read_bytes())["results"]
+    out = Path(json_path).with_suffix(".png")
+    plot([msgspec.convert(r, LevelSummary) for r in rows], out)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
