@@ -1,0 +1,568 @@
+"""Tree verification from one drafter forward (reference engine).
+
+One step per request: the drafter runs once; a tree of at most `TreeSpec.max_rows` verify rows (the anchor
+included) is built from it; the target verifies every node in one forward (`TargetAdapter.extend_tree`:
+each node attends to the committed prefix and its own ancestors); the acceptance walk keeps one root-to-node
+path and draws the next anchor; `TargetAdapter.commit_path` moves the path's K/V into place (O(accepted)) and
+drops the rest of the tree in O(1).
+
+The tree (`build_tree`), best first by an estimate of the probability that the target reaches and keeps
+each node:
+- the main branch: the drafter's own chain (the H-Spec drafter: the argmax, or at T > 0 a draw from q, of
+  the Markov-conditioned distribution of each slot given the previous slot's token), always included, so
+  the tree holds the chain the engine would verify;
+- siblings: the next most likely tokens of a node's distribution, and under each sibling its own most
+  likely continuation (the H-Spec drafter's Markov head conditions slot j + 1 on the sibling's token; a
+  drafter without one gives the block distribution of the next slot);
+- the prompt-lookup continuation (`PromptLookup`, when the drafter is a `LookupSpliceDrafter`) as one more
+  branch, merged into the tree where it agrees with it (where it agrees on slot 1 this holds the splice's
+  chain too).
+The estimates come from the confidences (calibrated when a transform is given): c_u, the confidence of
+node u's slot given u's token, for u's most likely child; (1 - c_u) q(x) / (1 - q(top-1)) for another
+child x; LOOKUP_CONFIDENCE for a lookup token (times 1 - c_u beside a model child). They only order
+and size the tree (`TreeSpec.min_value` drops nodes below it); they never enter the acceptance.
+
+Acceptance (`accept_tree_greedy`, `accept_tree_sampling`). Greedy: from the root follow the child whose
+token is the target's argmax; at the first node without one, the argmax is the next token. Sampling: the
+multi-candidate rule (recursive rejection over siblings, as in SpecInfer), `resolve_node`: at a node with
+target law p and children c_1..c_m in their order, with p_1 = p, candidate i is kept with probability
+min(1, p_i(c_i) / q_i(c_i)), else p_{i+1} = normalise((p_i - q_i)+); when every child is rejected the token
+is drawn from p_{m+1}. A child drawn from the drafter's q has q_i = q; a deterministic child (top-k
+sibling, lookup token, greedy chain) is a point mass, q_i = 1[c_i]: kept with probability p_i(c_i), else
+p_{i+1} = p_i with c_i zeroed, renormalised.
+
+Why it is exact. Claim: the token a node emits has law p, if candidate i was drawn from q_i given
+everything drawn before it (earlier candidates, the tree above) and independently of the target's coins.
+By induction on the candidates left: candidate i emits x directly with probability q_i(x) min(1,
+p_i(x)/q_i(x)) = min(p_i(x), q_i(x)), and is rejected with probability sum_x (p_i - q_i)+(x); given the
+rejection and c_1..c_i, the rest of the procedure emits p_{i+1} (induction, its proposals again drawn
+given what came before; p_{i+1} does not depend on the value c_i); the total is min(p_i, q_i)(x) +
+(p_i - q_i)+(x) = p_i(x). At the last step the draw from p_{m+1} is exact by definition. A kept child
+continues the walk at its own node with the target's law given the path so far, and its children were
+drawn given that path, so the emitted sequence follows the target's chain rule: the target's own law.
+The condition that matters is "drawn from q_i": a candidate that was drawn and then kept or dropped
+depending on its own token is not a draw from q_i. So only the main branch is ever sampled (and always
+included, whatever its tokens); every other node is deterministic given the drafter's output and the
+earlier draws (which may decide it: a sibling is "the best token other than the sampled one"), and is
+verified as a point mass. tests/engine/test_tree_acceptance.py checks the output law with a chi-square
+test and shows it fails for three wrong rules (its docstring gives the power); docs/tree.md.
+
+`generate_tree` is a self-contained generate loop over these pieces (batch >= 1, EOS, stop strings,
+max_new_tokens) for drafters without a drafter-side cache; `TreeVerifier.step` is the one call a
+generate loop needs per step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_hspec.core.sampling import sample_from, sampling_probs
+from sglang_hspec.core.types import DraftContext, SamplingParams
+from sglang_hspec.engine.drafters import LOOKUP_CONFIDENCE, LookupSpliceDrafter, PromptLookup
+from sglang_hspec.engine.engine import GenerationResult, RequestStats, eos_token_ids_of, with_texts
+from sglang_hspec.target.adapter import TargetAdapter
+
+# verify rows per request by default: on an AMX Xeon a bf16 verify of 16 rows costs 82.5 ms against 74.2 ms
+# for the chain's 8 (1 row: 65.8 ms), so the 8 extra rows cost about one eighth of a step
+DEFAULT_TREE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """max_rows: verify rows per request, the anchor included (>= 1; 1 = plain decoding). max_children:
+    children per node. min_value: nodes whose estimated probability of being reached and kept is below it
+    are left out (0 fills max_rows). lookup: add the prompt-lookup branch when the drafter carries one."""
+
+    max_rows: int = DEFAULT_TREE_ROWS
+    max_children: int = 4
+    min_value: float = 0.0
+    lookup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1:
+            raise ValueError(f"TreeSpec.max_rows must be >= 1 (the anchor's row), got {self.max_rows}")
+        if self.max_children < 1:
+            raise ValueError(f"TreeSpec.max_children must be >= 1, got {self.max_children}")
+        if not 0.0 <= self.min_value <= 1.0:
+            raise ValueError(f"TreeSpec.min_value must lie in [0, 1], got {self.min_value}")
+
+
+@dataclass
+class DraftTree:
+    """Nodes in topological order; node 0 is the root (the anchor). proposals[i]: the distribution over the
+    target vocabulary node i's token was drawn from, None for a deterministic node (a point mass)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    proposals: list[torch.Tensor | None]
+    values: list[float]
+    kinds: list[str]  # root | main | sibling | lookup
+    children: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def root(cls, anchor: int) -> DraftTree:
+        return cls([int(anchor)], [-1], [0], [None], [1.0], ["root"], [[]])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, *, proposal: torch.Tensor | None, value: float, kind: str) -> int:
+        if self.child_with(parent, token) is not None:
+            raise ValueError(f"node {parent} already has a child with token {token}")
+        i = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.depths.append(self.depths[parent] + 1)
+        self.proposals.append(proposal)
+        self.values.append(float(value))
+        self.kinds.append(kind)
+        self.children.append([])
+        self.children[parent].append(i)
+        return i
+
+    def child_with(self, node: int, token: int) -> int | None:
+        for c in self.children[node]:
+            if self.tokens[c] == token:
+                return c
+        return None
+
+    def path_tokens(self, path: Sequence[int]) -> list[int]:
+        return [self.tokens[i] for i in path]
+
+
+# ---------------------------------------------------------------- acceptance
+
+
+def accept_tree_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """(accepted root-to-node path, next token): follow the target's argmax (logits [>= len(tree), V])."""
+    argmax = logits[:len(tree)].argmax(-1).tolist()
+    path = [0]
+    while True:
+        token = argmax[path[-1]]
+        child = tree.child_with(path[-1], token)
+        if child is None:
+            return path, int(token)
+        path.append(child)
+
+
+def resolve_node(p: torch.Tensor, candidates: Sequence[tuple[int, torch.Tensor | None]],
+                 generator: torch.Generator | None) -> tuple[int | None, int | None]:
+    """The multi-candidate rule at one node (module docstring): p [V] the target's law, candidates
+    (token, q) in order, q None for a point mass. Returns (index of the kept candidate, None) or (None,
+    the token drawn from the final residual)."""
+    for i, (x, q) in enumerate(candidates):
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if q is None:
+            if u < float(p[x]):
+                return i, None
+            residual = p.clone()
+            residual[x] = 0.0
+        else:
+            if u * float(q[x]) < float(p[x]):  # u < p/q without dividing (q(x) > 0: x was drawn from q)
+                return i, None
+            residual = (p - q).clamp_min(0.0)
+        mass = residual.sum()
+        # no residual mass means the rejection had probability 0 (p == q, or p a point mass on x)
+        if float(mass) > 0:
+            p = residual / mass
+    return None, int(sample_from(p, generator))
+
+
+NodeRule = Callable[[torch.Tensor, Sequence[tuple[int, torch.Tensor | None]], torch.Generator | None],
+                    tuple[int | None, int | None]]
+
+
+def accept_tree_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None, *,
+                         node_rule: NodeRule = resolve_node) -> tuple[list[int], int]:
+    """(accepted root-to-node path, next token) by the multi-candidate rule at each node on the way down;
+    probs [>= len(tree), V]: the target's (sampling-transformed) law after each node. `node_rule` is the
+    seam the distribution test swaps wrong rules into."""
+    path = [0]
+    while True:
+        node = path[-1]
+        kids = tree.children[node]
+        kept, drawn = node_rule(probs[node], [(tree.tokens[c], tree.proposals[c]) for c in kids], generator)
+        if kept is None:
+            return path, int(drawn)
+        path.append(kids[kept])
+
+
+# ---------------------------------------------------------------- drafter sources
+
+
+@dataclass
+class NodeDistribution:
+    """A drafter's distribution for the children of one node: probs [n] at temperature 1 over `ids`
+    (target ids), sorted descending (the candidates), and the confidence of the most likely one."""
+
+    ids: list[int]
+    probs: list[float]
+    confidence: float
+
+
+class _HSpecSource:
+    """Per-node distributions of an H-Spec drafter from one backbone forward: slot j given the token at
+    slot j - 1 is base[j] + the Markov bias of that token; the confidence head reads the same pair."""
+
+    def __init__(self, model, ctx: DraftContext, *, confidence: Callable, top: int):
+        self.model, self.confidence, self.top = model, confidence, top
+        self.block_size = model.block_size
+        n = ctx.last_position.to(model.d2t.device)
+        with torch.no_grad():
+            self.h = model.backbone(ctx.anchor_tokens, n, ctx.target_hidden, model.propose_contexts(ctx))
+            self.base = model.base_logits(self.h)
+        self.vocab = model.config.target.vocab_size
+
+    @torch.no_grad()
+    def logits(self, b: int, slot: int, prev: int) -> tuple[torch.Tensor, float | None]:
+        prev_t = torch.tensor([prev], device=self.h.device)
+        out = self.model.head_outputs(self.h[b, slot][None], prev_t, self.base[b, slot][None])
+        conf = None if out.confidence_logits is None else float(out.confidence_logits[0])
+        return out.logits[0], conf
+
+    def node(self, b: int, slot: int, prev: int) -> tuple[NodeDistribution, torch.Tensor]:
+        logits, conf = self.logits(b, slot, prev)
+        probs = torch.softmax(logits.float(), -1)
+        top_p, top_i = probs.topk(min(self.top, probs.shape[-1]))
+        ids = self.model.d2t[top_i].tolist()
+        c = float(self.confidence(slot, conf)) if conf is not None else float(top_p[0])
+        return NodeDistribution(ids, top_p.tolist(), c), logits
+
+    def main_child(self, b: int, slot: int, logits: torch.Tensor, sampling: SamplingParams,
+                   generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+        probs = sampling_probs(logits[None], sampling)[0]
+        if sampling.greedy:
+            return int(self.model.d2t[probs.argmax()]), None
+        draft_tok = sample_from(probs, generator)
+        q = torch.zeros(self.vocab, device=probs.device).scatter_(0, self.model.d2t, probs)
+        return int(self.model.d2t[draft_tok]), q
+
+
+class _BlockSource:
+    """Any drafter through its proposal: the main branch is the proposed block; the distribution of a node's
+    children is the block's q at that slot whatever the parent (the drafter conditions on nothing else)."""
+
+    def __init__(self, proposal, *, confidence: Callable, top: int, block_size: int):
+        self.proposal, self.confidence, self.top, self.block_size = proposal, confidence, top, block_size
+
+    def node(self, b: int, slot: int, prev: int) -> tuple[NodeDistribution, None]:
+        q, conf = self.proposal.q, self.proposal.confidence_logits
+        raw = None if conf is None else float(conf[b, slot])
+        if q is None:
+            return NodeDistribution([], [], float(self.confidence(slot, raw)) if raw is not None else 0.5), None
+        top_p, top_i = q[b, slot].float().topk(min(self.top, q.shape[-1]))
+        c = float(self.confidence(slot, raw)) if raw is not None else float(top_p[0])
+        return NodeDistribution(top_i.tolist(), top_p.tolist(), c), None
+
+    def main_child(self, b: int, slot: int, logits, sampling: SamplingParams,
+                   generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+        q = self.proposal.q
+        return int(self.proposal.tokens[b, slot]), (None if q is None or sampling.greedy else q[b, slot].float())
+
+    def main_length(self, b: int) -> int:
+        lengths = self.proposal.lengths
+        return self.block_size if lengths is None else int(lengths[b])
+
+
+def slot_confidence(transform: Callable[[torch.Tensor], torch.Tensor], block_size: int) -> Callable:
+    """(slot, raw confidence logit) -> probability through a per-slot transform of [B, block_size] logits
+    (sigmoid, or STS's per-slot temperatures)."""
+
+    def conf(slot: int, logit: float) -> float:
+        row = torch.zeros((1, block_size))
+        row[0, slot] = logit
+        return float(transform(row)[0, slot])
+
+    return conf
+
+
+# ---------------------------------------------------------------- building
+
+
+def build_tree(source, b: int, *, anchor: int, sampling: SamplingParams, generator: torch.Generator | None,
+               spec: TreeSpec, max_depth: int, lookup: Sequence[int] = ()) -> DraftTree:
+    """Row b's tree (module docstring): the main branch, then best first among siblings, their
+    continuations and the lookup branch, up to spec.max_rows nodes and depth max_depth (<= block_size)."""
+    tree = DraftTree.root(anchor)
+    heap: list = []
+    order = itertools.count()
+    dists: dict[int, NodeDistribution] = {}
+    next_rank: dict[int, int] = {}
+    max_depth = min(max_depth, source.block_size)
+    main_len = source.main_length(b) if hasattr(source, "main_length") else source.block_size
+
+    def expand(u: int):
+        if tree.depths[u] >= max_depth:
+            return None
+        dist, logits = source.node(b, tree.depths[u], tree.tokens[u])
+        dists[u], next_rank[u] = dist, 0
+        return logits
+
+    def push_sibling(u: int) -> None:
+        """u's best not-yet-taken candidate, valued (module docstring)."""
+        dist = dists.get(u)
+        if dist is None or len(tree.children[u]) >= spec.max_children:
+            return
+        taken = {tree.tokens[c] for c in tree.children[u]}
+        r = next_rank[u]
+        while r < len(dist.ids) and dist.ids[r] in taken:
+            r += 1
+        next_rank[u] = r + 1
+        if r >= len(dist.ids):
+            return
+        if r == 0:
+            cond = dist.confidence
+        else:
+            cond = (1.0 - dist.confidence) * dist.probs[r] / max(1.0 - dist.probs[0], 1e-6)
+        heapq.heappush(heap, (-tree.values[u] * min(cond, 1.0), next(order), "sibling", u, dist.ids[r], None))
+
+    def push_lookup(u: int, i: int) -> None:
+        if i >= len(lookup) or tree.depths[u] >= max_depth:
+            return
+        existing = tree.child_with(u, lookup[i])
+        if existing is not None:  # merged: the lookup agrees with the tree here
+            push_lookup(existing, i + 1)
+            return
+        beside = (1.0 - dists[u].confidence) if (u in dists and tree.children[u]) else 1.0
+        heapq.heappush(heap, (-tree.values[u] * LOOKUP_CONFIDENCE * beside, next(order), "lookup", u, lookup[i], i))
+
+    # the main branch: the drafter's chain, always in the tree
+    u = 0
+    logits = expand(u)
+    while u in dists and tree.depths[u] < main_len and len(tree) < spec.max_rows:
+        token, q = source.main_child(b, tree.depths[u], logits, sampling, generator)
+        c = tree.add(u, token, proposal=q, value=tree.values[u] * dists[u].confidence, kind="main")
+        push_sibling(u)
+        u = c
+        logits = expand(u)
+    push_lookup(0, 0)
+    while heap and len(tree) < spec.max_rows:
+        neg, _, kind, parent, token, extra = heapq.heappop(heap)
+        if -neg < spec.min_value:
+            break
+        existing = tree.child_with(parent, token)
+        if kind == "lookup":
+            if existing is None:
+                existing = tree.add(parent, token, proposal=None, value=-neg, kind="lookup")
+                expand(existing)
+                push_lookup(existing, extra + 1)
+                push_sibling(existing)
+            else:
+                push_lookup(existing, extra + 1)
+            continue
+        if existing is None and len(tree.children[parent]) < spec.max_children:
+            c = tree.add(parent, token, proposal=None, value=-neg, kind="sibling")
+            expand(c)
+            push_sibling(c)
+        push_sibling(parent)
+    return tree
+
+
+def lookup_of(drafter) -> PromptLookup | None:
+    return drafter.lookup if isinstance(drafter, LookupSpliceDrafter) else None
+
+
+def tree_drafter_core(drafter):
+    """The drafter the tree reads: a LookupSpliceDrafter's inner drafter (the tree adds the lookup as a
+    branch of its own). Drafters with a drafter-side KV cache are refused."""
+    inner = drafter.drafter if isinstance(drafter, LookupSpliceDrafter) else drafter
+    if getattr(inner, "extend_context", None) is not None:
+        raise ValueError(f"tree verification needs a drafter without a drafter-side KV cache; {inner.name} has one "
+                         "(use the chain engine, SpeculativeEngine)")
+    return inner
+
+
+def build_trees(drafter, ctx: DraftContext, sampling: SamplingParams, generator: torch.Generator | None, *,
+                spec: TreeSpec, max_depths: Sequence[int],
+                confidence_transform: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid) -> list[DraftTree]:
+    """One drafter forward over the context's rows, one tree per row (row b at most max_depths[b] deep)."""
+    core = tree_drafter_core(drafter)
+    k = core.block_size
+    conf = slot_confidence(confidence_transform, k)
+    top = spec.max_children + 1
+    if all(hasattr(core, name) for name in ("backbone", "head_outputs", "propose_contexts", "d2t")):
+        source = _HSpecSource(core, ctx, confidence=conf, top=top)
+    else:
+        source = _BlockSource(core.propose(ctx, sampling, generator), confidence=conf, top=top, block_size=k)
+    lookup = lookup_of(drafter) if spec.lookup else None
+    anchors = ctx.anchor_tokens.tolist()
+    trees = []
+    for b, anchor in enumerate(anchors):
+        cont = lookup.continuation(list(ctx.token_history[b]) + [anchor]) if lookup is not None else []
+        trees.append(build_tree(source, b, anchor=anchor, sampling=sampling, generator=generator, spec=spec,
+                                max_depth=int(max_depths[b]), lookup=cont))
+    return trees
+
+
+# ---------------------------------------------------------------- verify and commit
+
+
+@dataclass
+class TreeStepOutput:
+    paths: list[list[int]]  # accepted root-to-node path per row (node 0 = the anchor)
+    accepted_tokens: list[list[int]]  # per row: the accepted draft tokens (the anchor not included)
+    next_tokens: torch.Tensor  # [B] the next anchor per row
+    last_hidden: torch.Tensor | None  # [B, n_ids, hidden] at each row's last accepted node
+
+
+def verify_trees(adapter: TargetAdapter, trees: Sequence[DraftTree], *, rows: torch.Tensor, sampling: SamplingParams,
+                 generator: torch.Generator | None, hidden_layer_ids=()) -> TreeStepOutput:
+    """One target forward over every row's tree, the acceptance walk, and the commit of each accepted path."""
+    device = adapter.device
+    b = len(trees)
+    m = max(len(t) for t in trees)
+    tokens = torch.zeros((b, m), dtype=torch.long)
+    parents = torch.full((b, m), -1, dtype=torch.long)
+    for j, t in enumerate(trees):
+        tokens[j, :len(t)] = torch.tensor(t.tokens)
+        parents[j, :len(t)] = torch.tensor(t.parents)
+    out = adapter.extend_tree(tokens, parents=parents, rows=rows, hidden_layer_ids=hidden_layer_ids)
+    paths, next_tokens = [], []
+    for j, t in enumerate(trees):
+        if sampling.greedy:
+            path, nxt = accept_tree_greedy(t, out.logits[j])
+        else:
+            path, nxt = accept_tree_sampling(t, sampling_probs(out.logits[j, :len(t)], sampling), generator)
+        paths.append(path)
+        next_tokens.append(nxt)
+    width = max(len(p) for p in paths)
+    path_t = torch.zeros((b, width), dtype=torch.long)
+    for j, p in enumerate(paths):
+        path_t[j, :len(p)] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in paths])
+    adapter.commit_path(path_t, path_lengths=lengths, rows=rows)
+    last_hidden = None
+    if out.hidden is not None:
+        last = torch.tensor([p[-1] for p in paths], device=device)
+        last_hidden = out.hidden[torch.arange(b, device=device), last]
+    return TreeStepOutput(paths=paths, accepted_tokens=[t.path_tokens(p[1:]) for t, p in zip(trees, paths)],
+                          next_tokens=torch.tensor(next_tokens, device=device), last_hidden=last_hidden)
+
+
+class TreeVerifier:
+    """Draft a tree, verify it, commit the accepted path: the step a generate loop calls instead of
+    draft / plan / verify / rollback."""
+
+    def __init__(self, adapter: TargetAdapter, drafter, *, spec: TreeSpec = TreeSpec(),
+                 confidence_transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        tree_drafter_core(drafter)
+        adapter.check_layer_ids(list(drafter.target_layer_ids) + list(drafter.kv_layer_ids))
+        self.adapter, self.drafter, self.spec = adapter, drafter, spec
+        self.confidence_transform = confidence_transform or torch.sigmoid
+
+    def step(self, ctx: DraftContext, sampling: SamplingParams, generator: torch.Generator | None, *,
+             rows: torch.Tensor, max_depths: Sequence[int]) -> tuple[list[DraftTree], TreeStepOutput]:
+        trees = build_trees(self.drafter, ctx, sampling, generator, spec=self.spec, max_depths=max_depths,
+                            confidence_transform=self.confidence_transform)
+        out = verify_trees(self.adapter, trees, rows=rows, sampling=sampling, generator=generator,
+                           hidden_layer_ids=list(self.drafter.target_layer_ids))
+        return trees, out
+
+
+# ---------------------------------------------------------------- generate loop
+
+
+def generate_tree(adapter: TargetAdapter, drafter, prompts: Sequence[Sequence[int]],
+                  sampling: SamplingParams = SamplingParams(), *, spec: TreeSpec = TreeSpec(),
+                  confidence_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  eos_token_ids: Sequence[int] | None = None) -> list[GenerationResult]:
+    """Speculative decoding with tree verification, batched: the same results as
+    `SpeculativeEngine.generate` (greedy: token-identical to plain decoding; sampling: the target's law),
+    stats.accept_lengths the tokens committed per step and stats.verify_lengths the draft rows verified."""
+    prompts = [list(map(int, p)) for p in prompts]
+    verifier = TreeVerifier(adapter, drafter, spec=spec, confidence_transform=confidence_transform)
+    k = drafter.block_size
+    results = [GenerationResult(i, p, [], "length", RequestStats(block_size=k)) for i, p in enumerate(prompts)]
+    _validate(adapter, prompts, sampling)
+    if not prompts or sampling.max_new_tokens == 0:
+        return with_texts(results, adapter.tokenizer)
+    eos = eos_token_ids_of(adapter, eos_token_ids)
+    generator = None if sampling.seed is None else torch.Generator(device=adapter.device).manual_seed(sampling.seed)
+    drafter.reset()
+    device = adapter.device
+    n = len(prompts)
+    adapter.reset(n, capacity=max(len(p) for p in prompts) + sampling.max_new_tokens + spec.max_rows + 2)
+    hidden_ids = list(drafter.target_layer_ids)
+    t_start = time.perf_counter()
+    out = adapter.prefill(prompts, hidden_layer_ids=hidden_ids, last_hidden_only=True)
+    anchors = sample_from(sampling_probs(out.logits[:, 0], sampling), generator)
+    last_hidden = out.hidden[:, 0] if out.hidden is not None else None
+    prefill_seconds = time.perf_counter() - t_start
+    histories = [list(p) for p in prompts]
+    active = torch.ones(n, dtype=torch.bool)
+    for i in range(n):
+        results[i].stats.prefill_seconds = prefill_seconds
+        _emit(results[i], [int(anchors[i])], sampling, eos, active, adapter.tokenizer)
+    while bool(active.any()):
+        idx = active.nonzero().squeeze(-1)
+        ridx = idx.to(device)
+        ctx = DraftContext(
+            anchor_tokens=anchors[ridx],
+            last_position=adapter.lengths[ridx] - 1,
+            target_hidden=None if last_hidden is None else last_hidden[ridx],
+            kv_views={lid: adapter.kv_view(lid, window=drafter.sliding_window, rows=ridx)
+                      for lid in drafter.kv_layer_ids},
+            token_history=[histories[i] for i in idx.tolist()],
+            row_ids=ridx,
+        )
+        # never verify deeper than can still be emitted (the next token counts too)
+        max_depths = [max(0, sampling.max_new_tokens - len(results[i].output_ids) - 1) for i in idx.tolist()]
+        trees, step = verifier.step(ctx, sampling, generator, rows=ridx, max_depths=max_depths)
+        if step.last_hidden is not None:
+            last_hidden[ridx] = step.last_hidden
+        for j, i in enumerate(idx.tolist()):
+            accepted = step.accepted_tokens[j]
+            st = results[i].stats
+            st.accept_lengths.append(len(accepted) + 1)
+            st.verify_lengths.append(len(trees[j]) - 1)
+            histories[i].append(int(anchors[i]))
+            histories[i].extend(accepted)
+            anchors[i] = step.next_tokens[j]
+            _emit(results[i], accepted + [int(step.next_tokens[j])], sampling, eos, active, adapter.tokenizer)
+    wall = time.perf_counter() - t_start
+    for r in results:
+        r.stats.wall_seconds = wall
+    return with_texts(results, adapter.tokenizer)
+
+
+def _validate(adapter: TargetAdapter, prompts: list[list[int]], sampling: SamplingParams) -> None:
+    vocab, limit = adapter.geometry.vocab_size, adapter.max_context
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: give at least one token (e.g. the chat template's prefix)")
+        if min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"prompt {i} holds token ids outside the target vocabulary [0, {vocab})")
+        if len(p) + sampling.max_new_tokens > limit:
+            raise ValueError(f"prompt {i} + max_new_tokens = {len(p) + sampling.max_new_tokens} exceeds the "
+                             f"target's context of {limit}: lower max_new_tokens")
+
+
+def _emit(result: GenerationResult, tokens: list[int], sampling: SamplingParams, eos: set[int],
+          active: torch.Tensor, tokenizer) -> None:
+    """Append tokens, honouring EOS, stop strings and max_new_tokens inside a step (as the chain engine)."""
+    for t in tokens:
+        if not sampling.ignore_eos and t in eos:
+            result.finish_reason = "eos"
+            active[result.index] = False
+            return
+        result.output_ids.append(t)
+        if sampling.stop:
+            if tokenizer is None:
+                raise ValueError("stop strings need a tokenizer: build the TargetAdapter with tokenizer=...")
+            longest = max(len(s) for s in sampling.stop)
+            tail = tokenizer.decode(result.output_ids[-(longest + 8):], skip_special_tokens=False)
+            if any(s in tail for s in sampling.stop):
+                result.finish_reason = "stop"
+                active[result.index] = False
+                return
+        if len(result.output_ids) >= sampling.max_new_tokens:
+            result.finish_reason = "length"
+            active[result.index] = False
+            return
