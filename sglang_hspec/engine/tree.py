@@ -8,15 +8,15 @@ drops the rest of the tree in O(1).
 
 The tree (`build_tree`), best first by an estimate of the probability that the target reaches and keeps
 each node:
-- the main branch: the drafter's own chain (the H-Spec drafter: the argmax, or at T > 0 a draw from q, of
-  the Markov-conditioned distribution of each slot given the previous slot's token), always included, so
-  the tree holds the chain the engine would verify;
+- the main branch, always included: the chain the engine would verify, i.e. the drafter's own chain (the
+  H-Spec drafter: the argmax, or at T > 0 a draw from q, of the Markov-conditioned distribution of each
+  slot given the previous slot's token), or, where a `LookupSpliceDrafter`'s lookup agrees with the
+  drafter's slot-1 token, the splice's chain (slot 1, then the lookup's tokens);
 - siblings: the next most likely tokens of a node's distribution, and under each sibling its own most
   likely continuation (the H-Spec drafter's Markov head conditions slot j + 1 on the sibling's token; a
   drafter without one gives the block distribution of the next slot);
-- the prompt-lookup continuation (`PromptLookup`, when the drafter is a `LookupSpliceDrafter`) as one more
-  branch, merged into the tree where it agrees with it (where it agrees on slot 1 this holds the splice's
-  chain too).
+- elsewhere the prompt-lookup continuation (`PromptLookup`) as one more branch, merged into the tree where
+  it agrees with it.
 The estimates come from the confidences (calibrated when a transform is given): c_u, the confidence of
 node u's slot given u's token, for u's most likely child; (1 - c_u) q(x) / (1 - q(top-1)) for another
 child x; LOOKUP_CONFIDENCE for a lookup token (times 1 - c_u beside a model child). They only order
@@ -333,16 +333,23 @@ def build_tree(source, b: int, *, anchor: int, sampling: SamplingParams, generat
         beside = (1.0 - dists[u].confidence) if (u in dists and tree.children[u]) else 1.0
         heapq.heappush(heap, (-tree.values[u] * LOOKUP_CONFIDENCE * beside, next(order), "lookup", u, lookup[i], i))
 
-    # the main branch: the drafter's chain, always in the tree
-    u = 0
+    # the main branch, always in the tree: the drafter's chain, or where the lookup agrees with the drafter's
+    # slot-1 token the splice's chain (slot 1, then the lookup), as the chain engine would verify it
+    u, spliced = 0, False
     logits = expand(u)
-    while u in dists and tree.depths[u] < main_len and len(tree) < spec.max_rows:
-        token, q = source.main_child(b, tree.depths[u], logits, sampling, generator)
-        c = tree.add(u, token, proposal=q, value=tree.values[u] * dists[u].confidence, kind="main")
+    while u in dists and tree.depths[u] < (source.block_size if spliced else main_len) and len(tree) < spec.max_rows:
+        d = tree.depths[u]
+        if spliced:
+            c = tree.add(u, lookup[d], proposal=None, value=tree.values[u] * LOOKUP_CONFIDENCE, kind="lookup")
+        else:
+            token, q = source.main_child(b, d, logits, sampling, generator)
+            c = tree.add(u, token, proposal=q, value=tree.values[u] * dists[u].confidence, kind="main")
+            spliced = d == 0 and len(lookup) == source.block_size and token == lookup[0]
         push_sibling(u)
         u = c
         logits = expand(u)
-    push_lookup(0, 0)
+    if not spliced:
+        push_lookup(0, 0)
     while heap and len(tree) < spec.max_rows:
         neg, _, kind, parent, token, extra = heapq.heappop(heap)
         if -neg < spec.min_value:
