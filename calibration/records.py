@@ -176,7 +176,7 @@ def load_records(
     shards = [load_shard(p) for p in tqdm(paths, desc="reading records", unit="shard", disable=not progress)]
     sizes = {s.block_size for s in shards}
     if len(sizes) > 1:
-        by_size = {k: [str(s.sources[0]) for s in shards if s.block_size == k][:3] for k in sorted(sizes)}
+        by_size = {size: [str(s.sources[0]) for s in shards if s.block_size == size][:3] for size in sorted(sizes)}
         raise ValueError(
             f"shards disagree on the block size: {by_size}; select records from one drafter only"
         )
@@ -249,10 +249,11 @@ class ConfidenceRecorder:
         logits: torch.Tensor,
         num_accepted: torch.Tensor,
         *,
-        verify_lens: torch.Tensor | None = None,
+        verify_lengths: torch.Tensor | None = None,
     ) -> None:
         """logits [n, block_size] raw confidence; num_accepted [n] accepted drafts (bonus token excluded);
-        verify_lens [n] tokens verified incl. the anchor (slot j observed iff j < verify_len - 1), None = all."""
+        verify_lengths [n] draft tokens verified after the anchor (slot j observed iff j < verify_length),
+        None = all."""
         if self._closed:
             raise RuntimeError("ConfidenceRecorder.add after close()")
         logits = torch.as_tensor(logits).detach().to("cpu", torch.float32)
@@ -266,13 +267,13 @@ class ConfidenceRecorder:
         if counts.numel() and (counts.min() < 0 or counts.max() > self.block_size):
             raise ValueError(f"num_accepted must be in [0, {self.block_size}], got {counts.tolist()}")
         positions = torch.arange(self.block_size).view(1, -1)
-        if verify_lens is None:
+        if verify_lengths is None:
             observed = torch.ones_like(logits, dtype=torch.bool)
         else:
-            caps = torch.as_tensor(verify_lens).detach().to("cpu", torch.int64).reshape(-1, 1) - 1
+            caps = torch.as_tensor(verify_lengths).detach().to("cpu", torch.int64).reshape(-1, 1)
             if caps.shape[0] != logits.shape[0] or (caps < 0).any() or (counts.view(-1, 1) > caps).any():
                 raise ValueError(
-                    "verify_lens must be [n] with 1 <= verify_len and num_accepted <= verify_len - 1"
+                    "verify_lengths must be [n] with 0 <= num_accepted <= verify_length"
                 )
             observed = positions < caps
         self._logits.append(logits.clone())
@@ -323,14 +324,14 @@ def save_records(records: ConfidenceRecords, path_stem: str | os.PathLike, *, nu
     """Write records as `num_shards` recorder shards (demo data, splitting a recording)."""
     recorder = ConfidenceRecorder(path_stem, block_size=records.block_size, flush_every=1, meta=meta)
     num_accepted = records.prefix_mask.sum(axis=1)
-    verify_lens = None
+    verify_lengths = None
     for rows in np.array_split(np.arange(records.num_samples), num_shards):
         if records.observed_mask is not None:
-            verify_lens = torch.from_numpy(records.observed_mask[rows].sum(axis=1) + 1)
+            verify_lengths = torch.from_numpy(records.observed_mask[rows].sum(axis=1))
         recorder.add(
             torch.from_numpy(records.logits[rows]),
             torch.from_numpy(num_accepted[rows]),
-            verify_lens=verify_lens,
+            verify_lengths=verify_lengths,
         )
     recorder.close()
     return recorder.shard_paths

@@ -2,23 +2,25 @@
 
 The decision runs every step on the host. As ~50 numpy calls it cost 250-500 us at 256 requests on a
 2-core EPYC, almost all of it per-call overhead (1-3 us per numpy call, ~9 us per torch op), not
-arithmetic over 256 x 7 numbers. Each pass below does its part of the step in one call:
+arithmetic over 256 x 7 numbers. Each pass below does its part of the step in one call, and is the
+compiled twin of the torch function that states its rule (scheduler/switch.py, scheduler/planner.py):
 
-- `survival_pass` + numpy's sort + `best_rate_pass`: the stale survival estimates (audit-corrected,
-  unknown rows filled with the known rows' mean or with the prior), then tau(n) over them in
-  descending order and the rate argmax of the switch (switch.py states the rule);
+- `survival_pass` (`switch.estimated_survival`: the stale survival estimates, audit-corrected, unknown
+  rows filled with the known rows' mean or with the prior) + numpy's sort + `best_rate_pass`
+  (`switch.best_speculation`: tau(n) over them in descending order and the rate argmax); the decision
+  itself is `switch.decision_from_best`, shared;
 - `mature_pass`: a draft snapshot that has aged `lag` steps written into the host state, and the
-  running prior;
-- `plan_pass`: the [k, B] float64 host copy of this step's confidences (checked to be probabilities),
-  their corrected survivals and the top-`budget` lengths in the shared candidate order;
-- `audit_pass` / `fold_audit`: the acceptance audit's counts of one verified step, and the running
-  counts and ratios once they mature.
+  running prior (AutoPolicy's own state);
+- `plan_pass`: the [block_size, B] float64 host copy of this step's confidences (checked to be
+  probabilities), their corrected survivals and the top-`budget` lengths in the shared candidate order
+  (`planner.topk_lengths` over `switch.estimated_survival` of every row);
+- `audit_pass` (`switch.audit_counts`) / `fold_audit`: the acceptance audit's counts of one verified
+  step, and the running counts and ratios once they mature.
 
-Each computes exactly what its numpy twin in switch.py / planner.py computes, with every sum taken
-left to right as the plain-Python references do (tests/scheduler/test_fused.py holds each pass to
-its reference). `cache=True` keeps the compiled code beside this file, so only the first process on a machine
-compiles (5-15 s on 2 cores; later imports load it in well under a second); `warm_up()`, which AutoPolicy
-calls when it is built, compiles or loads them ahead of the first step.
+Every sum runs in the order its torch twin's does (tests/scheduler/test_fused.py holds each pass to its
+twin, to the bit, on random inputs). `cache=True` keeps the compiled code beside this file, so only the
+first process on a machine compiles (5-15 s on 2 cores; later imports load it in well under a second);
+`warm_up()`, which AutoPolicy calls when it is built, compiles or loads them ahead of the first step.
 """
 
 from __future__ import annotations
@@ -32,29 +34,30 @@ def survival_pass(conf, gen, slots, gens, ratios, prior, use_prior, min_survival
     """(num_known, known_rows, count): the N = len(slots) requests' estimated survivals that are
     >= min_survival, in scratch[:count] (any order).
 
-    conf [k, S] float64: each slot's last matured confidences; gen [S] int64: their generation;
-    slots / gens [N] int64: this step's requests; ratios [k]: the audit's rho_j; prior [k]: the
-    running mean used when no request is known (use_prior); scratch [>= N k] float64. Known rows:
+    conf [block_size, S] float64: each slot's last matured confidences; gen [S] int64: their
+    generation; slots / gens [N] int64: this step's requests; ratios [block_size]: the audit's rho_j;
+    prior [block_size]: the running mean used when no request is known (use_prior); scratch
+    [>= N block_size] float64. Known rows:
     cumprod(clip(c_j rho_j, 0, 1)); unknown rows: the known rows' mean of clip(c_j rho_j, 0, 1) (the
     prior's, when none is known). known_rows = how many rows the estimates rest on (0: nothing known,
     count 0)."""
-    k = conf.shape[0]
+    block_size = conf.shape[0]
     n = slots.shape[0]
     num_known = 0
     for i in range(n):
         if gen[slots[i]] == gens[i]:
             num_known += 1
-    if n == 0 or k == 0:
+    if n == 0 or block_size == 0:
         return num_known, 0, 0
-    fill = np.empty(k)
+    fill = np.empty(block_size)
     from_prior = num_known == 0 and use_prior
     if from_prior:
-        for j in range(k):
+        for j in range(block_size):
             fill[j] = min(max(prior[j] * ratios[j], 0.0), 1.0)
     elif num_known == 0:
         return 0, 0, 0
     elif num_known < n:
-        for j in range(k):
+        for j in range(block_size):
             acc = 0.0
             for i in range(n):
                 if gen[slots[i]] == gens[i]:
@@ -64,7 +67,7 @@ def survival_pass(conf, gen, slots, gens, ratios, prior, use_prior, min_survival
     for i in range(n):
         own = not from_prior and gen[slots[i]] == gens[i]
         surv = 1.0
-        for j in range(k):
+        for j in range(block_size):
             c = min(max(conf[j, slots[i]] * ratios[j], 0.0), 1.0) if own else fill[j]
             surv = surv * c if j else c
             if surv >= min_survival:  # NaN fails too
@@ -93,7 +96,8 @@ def best_rate_pass(ascending, num_reqs, verify_seconds, draft_seconds):
 def best_speculation(conf, gen, slots, gens, ratios, prior, use_prior, verify_seconds, draft_seconds, min_survival,
                      scratch) -> tuple[int, int, int, float]:
     """(num_known, known_rows, best_n, best_rate) of the switch for this step's requests: survival_pass,
-    numpy's sort, best_rate_pass (arguments as theirs; verify_seconds at least N (k + 1) + 1 long)."""
+    numpy's sort, best_rate_pass (arguments as theirs; verify_seconds at least N (block_size + 1) + 1
+    long)."""
     num_known, known_rows, count = survival_pass(conf, gen, slots, gens, ratios, prior, use_prior, min_survival,
                                                  scratch)
     if known_rows == 0:
@@ -104,17 +108,17 @@ def best_speculation(conf, gen, slots, gens, ratios, prior, use_prior, verify_se
 
 @numba.njit(cache=True, nogil=True)
 def mature_pass(conf, gen, slots, gens, matured, prior, has_prior):
-    """Writes one matured draft snapshot (matured [k, R] for slots / gens [R]) into the host state
-    conf [k, S] / gen [S], and folds its per-slot mean into prior [k] (0.9 old + 0.1 new; the mean
-    itself when not has_prior). False when the snapshot is empty (prior untouched)."""
-    k, rows = matured.shape
+    """Writes one matured draft snapshot (matured [block_size, R] for slots / gens [R]) into the host
+    state conf [block_size, S] / gen [S], and folds its per-slot mean into prior [block_size] (0.9 old +
+    0.1 new; the mean itself when not has_prior). False when the snapshot is empty (prior untouched)."""
+    block_size, rows = matured.shape
     for r in range(rows):
         gen[slots[r]] = gens[r]
-        for j in range(k):
+        for j in range(block_size):
             conf[j, slots[r]] = matured[j, r]
     if rows == 0:
         return False
-    for j in range(k):
+    for j in range(block_size):
         acc = 0.0
         for r in range(rows):
             acc += matured[j, r]
@@ -125,13 +129,14 @@ def mature_pass(conf, gen, slots, gens, matured, prior, has_prior):
 
 @numba.njit(cache=True, nogil=True)
 def plan_pass(confidences, ratios, budget, conf_out, lengths, slots, drafted_at, step):
-    """Fills conf_out [k, B] float64 with confidences [B, k] transposed and lengths [B] int64 with the
-    top-`budget` lengths of the survivals cumprod(min(c_j rho_j, 1)) in the shared order (higher
-    survival, then earlier slot, then lower request), and sets drafted_at[slots] = step. Returns the
-    total of the lengths, or -1 (drafted_at untouched) when a confidence is outside [0, 1] or NaN."""
-    b, k = confidences.shape
+    """Fills conf_out [block_size, B] float64 with confidences [B, block_size] transposed and lengths
+    [B] int64 with the top-`budget` verify lengths of the survivals cumprod(min(c_j rho_j, 1)) in the
+    shared order (higher survival, then earlier slot, then lower request), and sets drafted_at[slots] =
+    step. Returns the total of the verify lengths, or -1 (drafted_at untouched) when a confidence is
+    outside [0, 1] or NaN."""
+    b, block_size = confidences.shape
     for r in range(b):
-        for j in range(k):
+        for j in range(block_size):
             c = float(confidences[r, j])
             if not (c >= 0.0 and c <= 1.0):
                 return -1
@@ -139,28 +144,28 @@ def plan_pass(confidences, ratios, budget, conf_out, lengths, slots, drafted_at,
     for r in range(b):
         drafted_at[slots[r]] = step
     lengths[:] = 0
-    total = b * k
+    total = b * block_size
     if budget <= 0 or total == 0:
         return 0
     if budget >= total:
-        lengths[:] = k
+        lengths[:] = block_size
         return total
     flat = np.empty(total)  # slot-major: m = j * B + r
     for r in range(b):
         surv = 1.0
-        for j in range(k):
+        for j in range(block_size):
             c = min(conf_out[j, r] * ratios[j], 1.0)
             surv = surv * c if j else c
             flat[j * b + r] = surv
     threshold = np.partition(flat.copy(), total - budget)[total - budget]
     above = 0
-    for j in range(k):
+    for j in range(block_size):
         for r in range(b):
             if flat[j * b + r] > threshold:
                 lengths[r] += 1
                 above += 1
     ties = budget - above  # the first ones at the threshold in the shared order (m = j * B + r ascending)
-    for j in range(k):
+    for j in range(block_size):
         for r in range(b):
             if ties > 0 and flat[j * b + r] == threshold:
                 lengths[r] += 1
@@ -197,14 +202,14 @@ def index_bounds(ids):
 
 @numba.njit(cache=True, nogil=True)
 def audit_pass(conf, verify_lengths, num_accepted, accepted, predicted):
-    """Fills accepted / predicted [k] with one verified step's counts (conf [k, B] float64): slot j of
-    row r counts when j < min(verify_len, accepted + 1); accepted adds 1 if it was kept, predicted adds
-    c_{r,j}."""
-    k, b = conf.shape
+    """Fills accepted / predicted [block_size] with one verified step's counts (conf [block_size, B]
+    float64): slot j of row r counts when j < min(verify_length, num_accepted + 1); accepted adds 1 if
+    it was kept, predicted adds c_{r,j}."""
+    block_size, b = conf.shape
     accepted[:] = 0.0
     predicted[:] = 0.0
     for r in range(b):
-        limit = min(verify_lengths[r], num_accepted[r] + 1, k)
+        limit = min(verify_lengths[r], num_accepted[r] + 1, block_size)
         for j in range(limit):
             if j < num_accepted[r]:
                 accepted[j] += 1.0

@@ -1,7 +1,7 @@
 """Hardware-aware prefix planners: how many draft tokens each request verifies this step.
 
 Objective (DSpark): Theta = tau* x SPS(B). With N requests and n admitted draft tokens,
-tau* = N + (sum of the admitted survivals) and B = N + n, i.e. B = sum_r (1 + l_r): every request
+tau* = N + (sum of the admitted survivals) and B = N + n, i.e. B = sum_r (1 + verify_length_r): every request
 verifies its anchor. Survival a_{r,j} = prod_{i<=j} c_{r,i} is non-increasing in j, so admitting
 candidates in one global descending order always yields per-request prefixes.
 
@@ -13,7 +13,7 @@ plain Python loops that the tests hold the torch versions to.
   decision to verify slot j never reads c_{j+1}, which depends on the drafted token x_j through the
   Markov feature, so the output distribution stays the target's (non-anticipation, Appendix A).
 - stale (production): the budget K is the argmax of Theta over all prefixes of survivals two steps old
-  (no early stop needed: old confidences cannot leak this step's tokens); the lengths are the top-K of
+  (no early stop needed: old confidences cannot leak this step's tokens); the verify lengths are the top-K of
   this step's survivals.
 
 `min_survival` (argmax_budget / topk_lengths and their references; DSpark's `survival_eps`, 1e-6 in
@@ -37,7 +37,7 @@ SpsFn = Callable[[int, int], float]
 
 def check_confidences(confidences: torch.Tensor) -> None:
     if confidences.dim() != 2:
-        raise ValueError(f"confidences must be [B, k], got shape {tuple(confidences.shape)}")
+        raise ValueError(f"confidences must be [B, block_size], got shape {tuple(confidences.shape)}")
     if not confidences.is_floating_point():
         raise ValueError(f"confidences must be floating point probabilities, got {confidences.dtype}")
     # One reduction (NaN fails too): this runs on every step's hot path.
@@ -49,7 +49,7 @@ def check_confidences(confidences: torch.Tensor) -> None:
 
 
 def survivals(*, confidences: torch.Tensor) -> torch.Tensor:
-    """a_{r,j} = prod_{i<=j} c_{r,i}, float64 [B, k]."""
+    """a_{r,j} = prod_{i<=j} c_{r,i}, float64 [B, block_size]."""
     check_confidences(confidences)
     return torch.cumprod(confidences.to(torch.float64), dim=1)
 
@@ -86,7 +86,7 @@ def _below_to_neg_inf(survival: torch.Tensor, min_survival: float) -> torch.Tens
 
 
 def exact_lengths(*, confidences: torch.Tensor, sps: SpsCurve) -> tuple[torch.Tensor, int]:
-    """DSpark Algorithm 1 with early stop. Returns (lengths [B] long in 0..k, admitted budget)."""
+    """DSpark Algorithm 1 with early stop. Returns (verify lengths [B] long in 0..block_size, admitted budget)."""
     surv = survivals(confidences=confidences)
     num_reqs = surv.shape[0]
     if surv.numel() == 0:
@@ -125,9 +125,9 @@ def argmax_budget(*, survival: torch.Tensor, sps: SpsCurve, min_survival: float 
 
 
 def topk_lengths(*, survival: torch.Tensor, budget: int, min_survival: float = 0.0) -> torch.Tensor:
-    """Per-request lengths when the `budget` best candidates (shared order) are verified. No host
+    """Per-request verify lengths when the `budget` best candidates (shared order) are verified. No host
     read-back: runs on the survivals' device without a sync (`budget` is a host int). On the CPU a
-    selection replaces the sort (same lengths, ties included)."""
+    selection replaces the sort (same verify lengths, ties included)."""
     num_reqs = survival.shape[0]
     if survival.numel() == 0 or budget <= 0:
         return torch.zeros(num_reqs, dtype=torch.long, device=survival.device)
@@ -194,7 +194,7 @@ def exact_lengths_reference(
     *, confidences: Sequence[Sequence[float]], sps: SpsFn
 ) -> tuple[list[int], int]:
     num_reqs = len(confidences)
-    lengths = [0] * num_reqs
+    verify_lengths = [0] * num_reqs
     tau, batch = float(num_reqs), num_reqs
     theta = tau * sps(batch, num_reqs)
     admitted = 0
@@ -203,9 +203,9 @@ def exact_lengths_reference(
         if new_theta <= theta:
             break
         tau, batch, theta = tau + a, batch + 1, new_theta
-        lengths[r] += 1
+        verify_lengths[r] += 1
         admitted += 1
-    return lengths, admitted
+    return verify_lengths, admitted
 
 
 def _admissible(survival: Sequence[Sequence[float]], min_survival: float) -> list[tuple[int, int, float]]:
@@ -230,7 +230,7 @@ def argmax_budget_reference(
 def topk_lengths_reference(
     *, survival: Sequence[Sequence[float]], budget: int, min_survival: float = 0.0
 ) -> list[int]:
-    lengths = [0] * len(survival)
+    verify_lengths = [0] * len(survival)
     for r, _j, _a in _admissible(survival, min_survival)[: max(budget, 0)]:
-        lengths[r] += 1
-    return lengths
+        verify_lengths[r] += 1
+    return verify_lengths

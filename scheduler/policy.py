@@ -2,14 +2,14 @@
 
 Every policy has the same call:
 
-    lengths = policy.plan(confidences=c, slot_ids=s, generations=g)
+    verify_lengths = policy.plan(confidences=c, slot_ids=s, generations=g)
 
-- confidences [B, k] float: calibrated per-slot probabilities (after STS), c[r, j] = P(slot j accepted |
-  slots < j accepted);
+- confidences [B, block_size] float: calibrated per-slot probabilities (after STS), c[r, j] = P(slot j
+  accepted | slots < j accepted);
 - slot_ids [B] long: the engine's request slot (row of its KV pool, may be reused after a request ends);
 - generations [B] long: a counter the engine bumps whenever a slot gets a new request;
-- lengths [B] long in 0..k: draft tokens verified after the anchor (the engine always verifies the
-  anchor, so the verify batch is B_tokens = sum_r (1 + lengths[r])).
+- verify_lengths [B] long in 0..block_size: draft tokens verified after the anchor (the engine always
+  verifies the anchor, so the verify batch is B_tokens = sum_r (1 + verify_lengths[r])).
 
 `policy.stats()` returns a `PolicyStats` struct (JSON-ready) for logs and `/metrics`.
 """
@@ -36,7 +36,7 @@ _NEVER = -(2**62)  # 'step' of a draft that never happened
 class PolicyStats(msgspec.Struct, frozen=True):
     policy: str
     steps: int
-    last_budget: int  # draft tokens verified in the last step (sum of lengths)
+    last_budget: int  # draft tokens verified in the last step (sum of the verify lengths)
     total_budget: int
     fallback: bool  # True when an uninitialised SPS table made the policy verify everything
     fallback_reason: str
@@ -65,11 +65,11 @@ class _Policy:
         self._unknown = 0
         self._fallback_reason = ""
 
-    def _record(self, lengths: torch.Tensor) -> torch.Tensor:
+    def _record(self, verify_lengths: torch.Tensor) -> torch.Tensor:
         self._steps += 1
-        self._last = int(lengths.sum())
+        self._last = int(verify_lengths.sum())
         self._total += self._last
-        return lengths
+        return verify_lengths
 
     def stats(self) -> PolicyStats:
         return PolicyStats(
@@ -84,20 +84,21 @@ class _Policy:
 
 
 class FixedPolicy(_Policy):
-    """Verify all drafted tokens, capped at k (the classic static speculative decoding)."""
+    """Verify `verify_length` drafts of every request, at most its whole block (the classic static
+    speculative decoding: verify_length = block_size)."""
 
     name = "fixed"
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, verify_length: int) -> None:
         super().__init__()
-        if k < 0:
-            raise ValueError(f"FixedPolicy k must be >= 0, got {k}")
-        self.k = k
+        if verify_length < 0:
+            raise ValueError(f"FixedPolicy verify_length must be >= 0, got {verify_length}")
+        self.verify_length = verify_length
 
     def plan(self, *, confidences: torch.Tensor, slot_ids: torch.Tensor, generations: torch.Tensor):
         _check_ids(confidences, slot_ids, generations)
-        b, k = confidences.shape
-        return self._record(torch.full((b,), min(self.k, k), dtype=torch.long))
+        b, block_size = confidences.shape
+        return self._record(torch.full((b,), min(self.verify_length, block_size), dtype=torch.long))
 
 
 class ThresholdPolicy(_Policy):
@@ -133,8 +134,8 @@ class _SpsPolicy(_Policy):
                            type(self).__name__, self._fallback_reason)
 
     def _verify_all(self, confidences: torch.Tensor) -> torch.Tensor:
-        b, k = confidences.shape
-        return self._record(torch.full((b,), k, dtype=torch.long))
+        b, block_size = confidences.shape
+        return self._record(torch.full((b,), block_size, dtype=torch.long))
 
 
 class ExactPolicy(_SpsPolicy):
@@ -149,12 +150,12 @@ class ExactPolicy(_SpsPolicy):
         _check_ids(confidences, slot_ids, generations)
         if self._fallback_reason:
             return self._verify_all(confidences)
-        lengths, _ = planner.exact_lengths(confidences=confidences, sps=self.sps)
-        return self._record(lengths)
+        verify_lengths, _ = planner.exact_lengths(confidences=confidences, sps=self.sps)
+        return self._record(verify_lengths)
 
 
 class StalePolicy(_SpsPolicy):
-    """Budget from confidences `lag` steps old (argmax of Theta), lengths = top-K of this step's.
+    """Budget from confidences `lag` steps old (argmax of Theta), verify lengths = top-K of this step's.
 
     A ring of `lag` survival snapshots indexed by slot id; an entry counts only if the slot held the
     same generation `lag` steps ago. Rows without one (new or reused slots) are planned as if every
@@ -171,14 +172,15 @@ class StalePolicy(_SpsPolicy):
         self._ring_gen: list[torch.Tensor] = []
         self.last_planned_budget = 0
 
-    def _ensure_ring(self, *, slots: int, k: int, device: torch.device) -> None:
-        if self._ring_surv and self._ring_surv[0].shape[1] != k:
-            raise ValueError(f"StalePolicy was planning k={self._ring_surv[0].shape[1]} slots, got k={k}")
+    def _ensure_ring(self, *, slots: int, block_size: int, device: torch.device) -> None:
+        if self._ring_surv and self._ring_surv[0].shape[1] != block_size:
+            raise ValueError(f"StalePolicy was planning block_size={self._ring_surv[0].shape[1]} slots, got "
+                             f"block_size={block_size}")
         have = self._ring_surv[0].shape[0] if self._ring_surv else 0
         if slots <= have:
             return
         size = max(slots, 2 * have, 64)
-        surv = [torch.ones(size, k, dtype=torch.float64, device=device) for _ in range(self.lag)]
+        surv = [torch.ones(size, block_size, dtype=torch.float64, device=device) for _ in range(self.lag)]
         gen = [torch.full((size,), -1, dtype=torch.long, device=device) for _ in range(self.lag)]
         for i in range(len(self._ring_surv)):
             surv[i][:have] = self._ring_surv[i]
@@ -190,10 +192,10 @@ class StalePolicy(_SpsPolicy):
         if self._fallback_reason:
             return self._verify_all(confidences)
         surv = planner.survivals(confidences=confidences)
-        b, k = surv.shape
+        b, block_size = surv.shape
         if b == 0:
             return self._record(torch.zeros(0, dtype=torch.long))
-        self._ensure_ring(slots=int(slot_ids.max()) + 1, k=k, device=surv.device)
+        self._ensure_ring(slots=int(slot_ids.max()) + 1, block_size=block_size, device=surv.device)
         slot = self._steps % self.lag  # written `lag` steps ago, overwritten now
         ring_surv, ring_gen = self._ring_surv[slot], self._ring_gen[slot]
         known = ring_gen[slot_ids] == generations
@@ -217,8 +219,8 @@ class AutoPolicy(_SpsPolicy):
 
         decision, rows = policy.decide(slot_ids=s, generations=g)   # before drafting
         # draft only the batch positions `rows` (all of them, a few on a probe, none: plain decode)
-        lengths = policy.plan(confidences=c, slot_ids=s[rows], generations=g[rows])
-        policy.observe(slot_ids=s[rows], generations=g[rows], confidences=c, verify_lengths=lengths,
+        verify_lengths = policy.plan(confidences=c, slot_ids=s[rows], generations=g[rows])
+        policy.observe(slot_ids=s[rows], generations=g[rows], confidences=c, verify_lengths=verify_lengths,
                        num_accepted=a)   # after the verify, for the audit
 
     Information enters the decision only `lag` steps after it was produced (drafts and verify
@@ -271,14 +273,15 @@ class AutoPolicy(_SpsPolicy):
         self._guard_step: list | None = None  # the handle of the step decided last
         self.probe_interval = probe_interval
         self.last_decision: switch.SpeculationDecision | None = None
-        self._k: int | None = None
+        self._block_size: int | None = None
         # host state, numpy, read by the compiled passes of fused.py (the decision runs every step: one numpy
         # call costs ~1 us, a torch op several; the passes do a step's work in one call each)
-        self._conf = np.zeros((0, 0))  # [k, slots] last matured confidences (slot-major: contiguous per slot j)
+        # [block_size, slots] last matured confidences (slot-major: contiguous per slot j)
+        self._conf = np.zeros((0, 0))
         self._gen = np.full(0, -1, dtype=np.int64)  # generation those belong to (-1: none)
         self._drafted_at = np.full(0, _NEVER, dtype=np.int64)  # step of the slot's last draft
         self._pending: deque = deque()  # (step, slot_ids, generations, confidences), not yet matured
-        self._pending_audit: deque = deque()  # (step, accepted [k], predicted [k])
+        self._pending_audit: deque = deque()  # (step, accepted [block_size], predicted [block_size])
         self._accepted = np.zeros(0)
         self._predicted = np.zeros(0)
         self._ratios = np.zeros(0)
@@ -288,26 +291,28 @@ class AutoPolicy(_SpsPolicy):
         self._probes = self._spec_steps = 0
         self._clock = 0  # steps decided so far (decide() owns it)
         self._rows_cache: dict[int, torch.Tensor] = {}  # n -> arange(n): the rows of a step that drafts all
-        self._planned: tuple[torch.Tensor, np.ndarray] | None = None  # plan()'s input and its [k, B] host copy
+        # plan()'s input and its [block_size, B] host copy
+        self._planned: tuple[torch.Tensor, np.ndarray] | None = None
         self._scratch = np.empty(0)  # survival_pass's survivals
         self._decided_ids: tuple | None = None
         fused.warm_up()
 
     # ---- state ---------------------------------------------------------------------------------
 
-    def _ensure(self, *, slots: int, k: int | None) -> None:
-        if k is not None and self._k is None:
-            self._k = k
-            self._conf = np.zeros((k, self._conf.shape[1]))
-            self._prior = np.zeros(k)
-            self._accepted, self._predicted = np.zeros(k), np.zeros(k)
-            self._ratios = np.ones(k)
-        elif k is not None and k != self._k:
-            raise ValueError(f"AutoPolicy was planning k={self._k} slots, got k={k}")
+    def _ensure(self, *, slots: int, block_size: int | None) -> None:
+        if block_size is not None and self._block_size is None:
+            self._block_size = block_size
+            self._conf = np.zeros((block_size, self._conf.shape[1]))
+            self._prior = np.zeros(block_size)
+            self._accepted, self._predicted = np.zeros(block_size), np.zeros(block_size)
+            self._ratios = np.ones(block_size)
+        elif block_size is not None and block_size != self._block_size:
+            raise ValueError(f"AutoPolicy was planning block_size={self._block_size} slots, got "
+                             f"block_size={block_size}")
         have = self._gen.shape[0]
         if slots > have:
             size = max(slots, 2 * have, 64)
-            conf = np.zeros((self._k or 0, size))
+            conf = np.zeros((self._block_size or 0, size))
             conf[:, :have] = self._conf
             gen = np.full(size, -1, dtype=np.int64)
             gen[:have] = self._gen
@@ -317,7 +322,7 @@ class AutoPolicy(_SpsPolicy):
 
     def _mature(self, step: int) -> None:
         while self._pending and self._pending[0][0] <= step - self.lag:
-            _, slots, gens, conf = self._pending.popleft()  # conf [k, rows]
+            _, slots, gens, conf = self._pending.popleft()  # conf [block_size, rows]
             # also the running per-slot mean: the estimate for a batch of requests never drafted
             self._has_prior |= fused.mature_pass(self._conf, self._gen, slots, gens, conf, self._prior,
                                                  self._has_prior)
@@ -353,13 +358,13 @@ class AutoPolicy(_SpsPolicy):
         self._decided_ids = (slot_ids, generations, s, g, slots)  # plan() of an all-rows step reuses them
         step = self._clock
         self._clock += 1
-        self._ensure(slots=slots, k=None)
+        self._ensure(slots=slots, block_size=None)
         self._mature(step)
-        k = self._k or 0
-        if n and k:
-            verify = self.costs.verify_seconds_upto(end=n * (k + 1) + 1, num_reqs=n)
-            if self._scratch.size < n * k:
-                self._scratch = np.empty(2 * n * k)
+        block_size = self._block_size or 0
+        if n and block_size:
+            verify = self.costs.verify_seconds_upto(end=n * (block_size + 1) + 1, num_reqs=n)
+            if self._scratch.size < n * block_size:
+                self._scratch = np.empty(2 * n * block_size)
             num_known, _, best_n, best_rate = fused.best_speculation(
                 self._conf, self._gen, s, g, self._ratios, self._prior, self._has_prior, verify,
                 self.costs.draft_seconds(n), 0.0, self._scratch)
@@ -423,10 +428,10 @@ class AutoPolicy(_SpsPolicy):
         return self._rows_cache[n]
 
     def plan(self, *, confidences: torch.Tensor, slot_ids: torch.Tensor, generations: torch.Tensor):
-        """Lengths for the drafted rows of the step `decide` just planned."""
+        """The verify lengths of the drafted rows of the step `decide` just planned."""
         if confidences.dim() != 2:
-            raise ValueError(f"confidences must be [B, k], got shape {tuple(confidences.shape)}")
-        b, k = confidences.shape
+            raise ValueError(f"confidences must be [B, block_size], got shape {tuple(confidences.shape)}")
+        b, block_size = confidences.shape
         ids = self._decided_ids
         if ids is not None and ids[0] is slot_ids and ids[1] is generations:  # the tensors decide() just read
             s, g, slots = ids[2:]
@@ -435,31 +440,32 @@ class AutoPolicy(_SpsPolicy):
         decision = self.last_decision
         if decision is None or not decision.speculate:
             raise ValueError("AutoPolicy.plan: call decide() first, and draft only when it says speculate")
-        if self._k is not None and k != self._k:
-            raise ValueError(f"AutoPolicy was planning k={self._k} slots, got k={k}")
-        conf = np.empty((k, b))  # [k, B] float64, a copy: the pending snapshot owns it
-        lengths = np.empty(b, dtype=np.int64)
-        ratios = self._ratios if self._k is not None else np.ones(k)
-        self._ensure(slots=slots, k=None)
+        if self._block_size is not None and block_size != self._block_size:
+            raise ValueError(f"AutoPolicy was planning block_size={self._block_size} slots, got "
+                             f"block_size={block_size}")
+        conf = np.empty((block_size, b))  # [block_size, B] float64, a copy: the pending snapshot owns it
+        verify_lengths = np.empty(b, dtype=np.int64)
+        ratios = self._ratios if self._block_size is not None else np.ones(block_size)
+        self._ensure(slots=slots, block_size=None)
         step = self._clock - 1
         host = confidences if not confidences.is_cuda else confidences.cpu()
         total = fused.plan_pass((host.detach() if host.requires_grad else host).numpy(), ratios, decision.budget,
-                                conf, lengths, s, self._drafted_at, step)
+                                conf, verify_lengths, s, self._drafted_at, step)
         if total < 0:
             raise ValueError("confidences must be calibrated probabilities in [0, 1] (apply sigmoid/STS to the raw "
                              "confidence logits first); got values outside [0, 1] or NaN")
-        if self._k is None:
-            self._ensure(slots=0, k=k)
+        if self._block_size is None:
+            self._ensure(slots=0, block_size=block_size)
         self._pending.append((step, s.copy(), g.copy(), conf))
         self._planned = (confidences, conf)
-        if decision.probe and k:  # a probe verifies at least one draft per drafted row (feeds the audit)
-            np.maximum(lengths, 1, out=lengths)
-            total = int(lengths.sum())
+        if decision.probe and block_size:  # a probe verifies at least one draft per drafted row (feeds the audit)
+            np.maximum(verify_lengths, 1, out=verify_lengths)
+            total = int(verify_lengths.sum())
         self._steps += 1
         self._last = total
         self._total += self._last
-        lengths = torch.from_numpy(lengths)
-        return lengths if confidences.device.type == "cpu" else lengths.to(confidences.device)
+        verify_lengths = torch.from_numpy(verify_lengths)
+        return verify_lengths if confidences.device.type == "cpu" else verify_lengths.to(confidences.device)
 
     def observe(self, *, slot_ids: torch.Tensor, generations: torch.Tensor, confidences: torch.Tensor,
                 verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
@@ -467,7 +473,7 @@ class AutoPolicy(_SpsPolicy):
         if confidences.shape[0] == 0:
             return
         planned = self._planned
-        if planned is not None and planned[0] is confidences:  # plan's host copy, [k, B]
+        if planned is not None and planned[0] is confidences:  # plan's host copy, [block_size, B]
             acc, pred = np.empty(planned[1].shape[0]), np.empty(planned[1].shape[0])
             fused.audit_pass(planned[1], verify_lengths.cpu().numpy().astype(np.int64, copy=False),
                              num_accepted.cpu().numpy().astype(np.int64, copy=False), acc, pred)

@@ -109,7 +109,7 @@ def plot_sps(table: SpsCostTable, path: str | Path, *, title: str = "Verify step
         ax.plot(table.plain_batch_sizes, [1.0 / max(t, 1e-12) for t in table.draft_seconds], "^:",
                 label="drafter forwards/s (x = requests)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch tokens B = sum_r (1 + l_r)")
+    ax.set_xlabel("batch tokens B = sum_r (1 + verify_length_r)")
     ax.set_ylabel("steps / s")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -168,7 +168,7 @@ def add_parser(subparsers, *, step_fn_factory: Callable | None = None) -> argpar
     p.add_argument("--plain-batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64],
                    help="requests at which plain decode steps and the drafter are timed, when the step "
                         "function provides plain_fn / draft_fn (default 1,2,...,64)")
-    p.add_argument("--tokens-per-request", type=int, default=8, help="1 + k verify tokens per request")
+    p.add_argument("--tokens-per-request", type=int, default=8, help="1 + block_size verify tokens per request")
     p.add_argument("--factory-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra keyword for the step-fn factory (repeatable), e.g. target=/models/Qwen3-8B")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="engine verify capacity")

@@ -1,10 +1,10 @@
 """Discrete-time serving simulator for verify-length policies.
 
-Each step every running request drafts k tokens. Its true per-slot acceptance probabilities come
+Each step every running request drafts block_size tokens. Its true per-slot acceptance probabilities come
 from its domain's profile (code accepts more than chat), shifted in logit space by a per-request
 offset and a per-step difficulty; the drafter reports confidences that are noisy but calibrated
-estimates of them (logit noise). The policy picks lengths; the step takes 1 / SPS(B) seconds with
-B = sum_r (1 + l_r) (the floor table clamps beyond its last probe: an over-capacity batch runs at the
+estimates of them (logit noise). The policy picks verify lengths; the step takes 1 / SPS(B) seconds with
+B = sum_r (1 + verify_length_r) (the floor table clamps beyond its last probe: an over-capacity batch runs at the
 last measured speed); each request emits its accepted prefix plus one target token.
 
 Load: closed loop (C requests always running; a finished request's slot is reused at once with a new
@@ -34,7 +34,7 @@ DOMAINS = {
 
 
 class SimConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    k: int = 7
+    block_size: int = 7
     concurrency: int = 16  # closed loop; ignored when arrival_rate is set
     arrival_rate: float | None = None  # requests/s (Poisson, open loop)
     max_running: int = 256
@@ -47,8 +47,8 @@ class SimConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.k < 1 or self.k > len(DOMAINS["code"]):
-            raise ValueError(f"k must be in 1..{len(DOMAINS['code'])}, got {self.k}")
+        if self.block_size < 1 or self.block_size > len(DOMAINS["code"]):
+            raise ValueError(f"block_size must be in 1..{len(DOMAINS['code'])}, got {self.block_size}")
         if self.concurrency < 1 or self.max_running < 1 or self.steps < 1 or self.output_tokens < 1:
             raise ValueError("concurrency, max_running, steps and output_tokens must be >= 1")
         if self.arrival_rate is not None and self.arrival_rate <= 0:
@@ -71,9 +71,9 @@ class SimResult(msgspec.Struct, frozen=True):
     sim_seconds: float
 
 
-def make_policy(name: str, *, k: int, sps_table: SpsTable, threshold: float = 0.3):
+def make_policy(name: str, *, block_size: int, sps_table: SpsTable, threshold: float = 0.3):
     if name == "fixed":
-        return FixedPolicy(k)
+        return FixedPolicy(block_size)
     if name == "threshold":
         return ThresholdPolicy(threshold)
     if name == "exact":
@@ -86,13 +86,13 @@ def make_policy(name: str, *, k: int, sps_table: SpsTable, threshold: float = 0.
 def simulate(*, config: SimConfig, sps_table: SpsTable, policy, progress: bool = False) -> SimResult:
     cfg = config
     gen = torch.Generator().manual_seed(cfg.seed)
-    base = {d: torch.logit(torch.tensor(v[: cfg.k], dtype=torch.float64)) for d, v in DOMAINS.items()}
+    base = {d: torch.logit(torch.tensor(v[: cfg.block_size], dtype=torch.float64)) for d, v in DOMAINS.items()}
     cap = cfg.max_running if cfg.arrival_rate is not None else cfg.concurrency
     # per-slot state (a slot holds at most one request; -1 length = empty)
     remaining = torch.full((cap,), -1, dtype=torch.long)
     emitted = torch.zeros(cap, dtype=torch.long)
     start = torch.zeros(cap, dtype=torch.float64)
-    offset = torch.zeros(cap, cfg.k, dtype=torch.float64)
+    offset = torch.zeros(cap, cfg.block_size, dtype=torch.float64)
     generations = torch.zeros(cap, dtype=torch.long)
     now, total_tokens, verified, wasted, req_steps = 0.0, 0, 0, 0, 0
     user_tps: list[float] = []
@@ -129,18 +129,18 @@ def simulate(*, config: SimConfig, sps_table: SpsTable, policy, progress: bool =
         n = active.numel()
         logits = offset[active] + cfg.step_logit_sd * torch.randn(n, 1, generator=gen, dtype=torch.float64)
         p_true = torch.sigmoid(logits)
-        conf = torch.sigmoid(logits + cfg.confidence_logit_sd * torch.randn(n, cfg.k, generator=gen,
+        conf = torch.sigmoid(logits + cfg.confidence_logit_sd * torch.randn(n, cfg.block_size, generator=gen,
                                                                            dtype=torch.float64))
-        accepted_run = torch.cumprod((torch.rand(n, cfg.k, generator=gen, dtype=torch.float64) < p_true).long(),
+        accepted_run = torch.cumprod((torch.rand(n, cfg.block_size, generator=gen, dtype=torch.float64) < p_true).long(),
                                      dim=1).sum(1)
-        lengths = policy.plan(confidences=conf, slot_ids=active, generations=generations[active])
-        accepted = torch.minimum(accepted_run, lengths)
+        verify_lengths = policy.plan(confidences=conf, slot_ids=active, generations=generations[active])
+        accepted = torch.minimum(accepted_run, verify_lengths)
         tokens = torch.minimum(accepted + 1, remaining[active])
-        batch_tokens = int(lengths.sum()) + n
+        batch_tokens = int(verify_lengths.sum()) + n
         now += 1.0 / sps_table_lookup(sps_table, batch_tokens=batch_tokens, num_reqs=n)
         total_tokens += int(tokens.sum())
-        verified += int(lengths.sum())
-        wasted += int((lengths - accepted).sum())
+        verified += int(verify_lengths.sum())
+        wasted += int((verify_lengths - accepted).sum())
         req_steps += n
         emitted[active] += tokens
         remaining[active] -= tokens
@@ -176,7 +176,7 @@ def sweep(*, sps_table: SpsTable, policies: list[str], concurrencies: list[int],
     for p, c in tqdm(runs, desc="simulate", unit="run", disable=not progress):
         cfg = msgspec.structs.replace(base, concurrency=c)
         out.append(simulate(config=cfg, sps_table=sps_table,
-                            policy=make_policy(p, k=cfg.k, sps_table=sps_table, threshold=threshold)))
+                            policy=make_policy(p, block_size=cfg.block_size, sps_table=sps_table, threshold=threshold)))
     return out
 
 
@@ -227,7 +227,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_int_list, default=[2**i for i in range(9)],
                    help="closed-loop concurrencies (default 1,2,4,...,256)")
     p.add_argument("--arrival-rate", type=float, default=None, help="Poisson requests/s (one open-loop run)")
-    p.add_argument("--k", type=int, default=7)
+    p.add_argument("--block-size", type=int, default=7, help="draft tokens proposed per request per step")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--threshold", type=float, default=0.3, help="survival threshold of the threshold policy")
     p.add_argument("--seed", type=int, default=0)
@@ -240,12 +240,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     table = load_sps_table(args.sps_table) if args.sps_table else synthetic_sps_table()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        make_policy(p, k=args.k, sps_table=table)  # fail fast on a bad name or table
-    base = SimConfig(k=args.k, steps=args.steps, seed=args.seed, arrival_rate=args.arrival_rate)
+        make_policy(p, block_size=args.block_size, sps_table=table)  # fail fast on a bad name or table
+    base = SimConfig(block_size=args.block_size, steps=args.steps, seed=args.seed, arrival_rate=args.arrival_rate)
     concurrencies = [math.inf] if args.arrival_rate else args.concurrency
     if args.arrival_rate:
         results = [simulate(config=base, sps_table=table,
-                            policy=make_policy(p, k=args.k, sps_table=table, threshold=args.threshold))
+                            policy=make_policy(p, block_size=args.block_size, sps_table=table, threshold=args.threshold))
                    for p in policies]
     else:
         results = sweep(sps_table=table, policies=policies, concurrencies=concurrencies, base=base,
@@ -255,7 +255,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     md = results_table(results)
     (out / "simulate.md").write_text(md + "\n")
     (out / "simulate.json").write_bytes(msgspec.json.encode(results))
-    plot_frontier(results, out / "simulate.png", title=f"k={args.k}, {args.sps_table or 'synthetic SPS curve'}")
+    plot_frontier(results, out / "simulate.png", title=f"block_size={args.block_size}, {args.sps_table or 'synthetic SPS curve'}")
     print(md)
     print(f"wrote {out / 'simulate.md'}, {out / 'simulate.json'}, {out / 'simulate.png'}")
     return 0

@@ -7,8 +7,8 @@ Two layouts, byte-for-byte the field names of `sglang/srt/speculative/dspark_com
 - `SpsAdditiveCostTable{bias_seconds, bs_probes, alpha_seconds, m_probes, theta_seconds}`: step time
   `bias + alpha(num_reqs) + theta(num_reqs + budget)`, each term linearly interpolated and clamped.
 
-Batch tokens count what the target verifies in one forward: B = sum_r (1 + l_r), the anchor plus
-l_r draft tokens per request.
+Batch tokens count what the target verifies in one forward: B = sum_r (1 + verify_length_r), the
+anchor plus verify_length_r draft tokens per request.
 
 The floor table may also carry the rest of a step's cost, so that speculation can be weighed against
 plain decoding (`sglang_hspec.scheduler.switch`): `plain_batch_sizes` (requests, one token each),

@@ -32,10 +32,13 @@ of the decision is fixed before this step's drafts exist, the per-request length
 step's survivals in the planners' order (non-anticipating, as for `StalePolicy`), and a step with verify
 length 0 is exactly a plain decode step: the target's distribution at the anchor, sampled the same way.
 
-Entry points (keyword-only, pure): `decide_speculation`, `estimated_survival`, `audit_counts`,
-`next_probe_interval`, with plain-Python `*_reference` twins held to them by tests/scheduler/test_switch.py;
-`StepCosts` is the vectorised cost lookup. The stateful wrapper an engine calls is `AutoPolicy`
-(scheduler/policy.py). The decision runs on host tensors (no device read-back); the lengths of a
+Entry points (keyword-only, pure, torch on the host): `decide_speculation` (= `best_speculation`, the
+rate argmax, then `decision_from_best`, the comparison and the probe), `estimated_survival`,
+`audit_counts`, `next_probe_interval`; `StepCosts` is the vectorised cost lookup. Each rule is written
+here once. The stateful wrapper an engine calls is `AutoPolicy` (scheduler/policy.py); its per-step host
+work runs as the compiled twins of these functions (scheduler/fused.py, faster per step), which
+tests/scheduler/test_fused.py holds to them on random inputs, and decides with the same
+`decision_from_best`. The decision runs on host tensors (no device read-back); the lengths of a
 speculative step come from `planner.topk_lengths`, which stays on the device without a sync.
 """
 
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -51,10 +54,6 @@ import torch
 
 from .planner import check_confidences
 from .sps import SpsCostTable, SpsCurve, SpsTable
-
-# (batch_tokens, num_reqs) -> verify steps/s
-SpsFn = Callable[[int, int], float]
-
 
 class StepCosts:
     """Everything a step costs, from one SPS table: verify seconds at B batch tokens, plain-decode
@@ -71,21 +70,28 @@ class StepCosts:
 
     - with plain probes, a plain step of N requests: a verify of N + n >= N tokens over N requests costs
       at least as much;
-    - with `full_block` (tokens per request of the table's probes, when its step times are whole drafting
-      steps, the draft forward included: SGLang's profiler, which measures N x full_block tokens over N
-      requests and leaves no drafter column), the profiled step of N requests at full blocks: the table
-      holds nothing cheaper for a drafting step over N requests. Conservative in compact mode, where a
-      step verifies fewer tokens than a full block."""
+    - with `block_size` (the drafts per request of the table's probes, when its step times are whole
+      drafting steps, the draft forward included: SGLang's profiler, which measures N x (block_size + 1)
+      tokens over N requests and leaves no drafter column), the profiled step of N requests at full
+      blocks: the table holds nothing cheaper for a drafting step over N requests. Conservative in
+      compact mode, where a step verifies fewer tokens than a full block."""
 
-    def __init__(self, table: SpsTable, *, draft_seconds: float | None = None, full_block: int | None = None) -> None:
+    def __init__(self, table: SpsTable, *, draft_seconds: float | None = None, block_size: int | None = None,
+                 full_block: int | None = None) -> None:
+        # `full_block` (verify rows per request, block_size + 1): the keyword sglang_plugin/worker.py still
+        # passes; it goes once that call passes block_size
+        if full_block is not None:
+            if block_size is not None or full_block < 1:
+                raise ValueError(f"pass block_size alone (full_block={full_block} is block_size + 1, >= 1)")
+            block_size = full_block - 1
         if draft_seconds is not None and not (draft_seconds >= 0 and np.isfinite(draft_seconds)):
             raise ValueError(f"draft_seconds must be finite and >= 0, got {draft_seconds}")
-        if full_block is not None and full_block < 1:
-            raise ValueError(f"full_block must be >= 1 tokens per request, got {full_block}")
+        if block_size is not None and block_size < 0:
+            raise ValueError(f"block_size must be >= 0 drafts per request, got {block_size}")
         self.table = table
         self.sps = SpsCurve(table)
         self._draft_override = draft_seconds
-        self._full_block = full_block
+        self._block_size = block_size
         self._verify_seconds = np.zeros(0)
         self._verify_reqs: int | None = None
         self._floored = np.zeros(0)
@@ -110,8 +116,8 @@ class StepCosts:
         floor = 0.0
         if isinstance(t, SpsCostTable) and t.has_plain:
             floor = 1.0 / t.plain_lookup(num_reqs)
-        if self._full_block is not None:
-            full = self.sps.scalar(batch_tokens=num_reqs * self._full_block, num_reqs=num_reqs)
+        if self._block_size is not None:
+            full = self.sps.scalar(batch_tokens=num_reqs * (self._block_size + 1), num_reqs=num_reqs)
             floor = max(floor, 1.0 / full if full > 0 else float("inf"))
         return floor
 
@@ -144,16 +150,6 @@ class StepCosts:
         (inf past capacity)."""
         return self.verify_seconds_upto(end=start + count, num_reqs=num_reqs)[start : start + count]
 
-    def scalar_fn(self) -> SpsFn:
-        """The plain-Python verify lookup the reference twins use (steps/s, floored like the caches)."""
-
-        def steps_per_sec(batch_tokens: int, num_reqs: int) -> float:
-            steps = self.sps.scalar(batch_tokens=batch_tokens, num_reqs=num_reqs)
-            floor = self.verify_floor_seconds(num_reqs)
-            return min(steps, 1.0 / floor) if floor > 0.0 else steps
-
-        return steps_per_sec
-
 
 class SpeculationDecision(NamedTuple):
     speculate: bool  # run the drafter this step (always True on a probe)
@@ -180,7 +176,7 @@ def decide_speculation(
 ) -> SpeculationDecision:
     """One step's switch over N requests (see the module docstring for the rule).
 
-    survival [N, k] float (host tensor): estimated survivals from information >= lag steps old
+    survival [N, block_size] float (host tensor): estimated survivals from information >= lag steps old
     (`estimated_survival`); known_rows: how many of the N rows those estimates rest on (0 = nothing
     is known yet: decode plainly, probe when due); steps_since_draft: steps since any request was
     last drafted (a large number before the first draft); probe_interval >= 1; probe_rows >= 1;
@@ -189,7 +185,7 @@ def decide_speculation(
     realized-rate corrections (`RateGuard.scale`) both rates are multiplied by before they are compared
     (the decision's rates are the scaled ones; the argmax n* does not depend on them)."""
     if survival.dim() != 2:
-        raise ValueError(f"survival must be [N, k], got shape {tuple(survival.shape)}")
+        raise ValueError(f"survival must be [N, block_size], got shape {tuple(survival.shape)}")
     if survival.device.type != "cpu":
         raise ValueError("decide_speculation reads host tensors (stale estimates live on the host); "
                          "pass survival.cpu() computed off the critical path, not a device tensor")
@@ -198,38 +194,33 @@ def decide_speculation(
                          f"{probe_rows}, {margin}")
     if not (spec_scale > 0 and plain_scale > 0):
         raise ValueError(f"need spec_scale > 0 and plain_scale > 0; got {spec_scale}, {plain_scale}")
-    return decide_speculation_numpy(
-        survival=survival.detach().to(torch.float64).numpy(), costs=costs, known_rows=known_rows,
-        steps_since_draft=steps_since_draft, probe_interval=probe_interval, probe_rows=probe_rows,
-        margin=margin, min_survival=min_survival, spec_scale=spec_scale, plain_scale=plain_scale)
-
-
-def decide_speculation_numpy(
-    *, survival: np.ndarray, costs: StepCosts, known_rows: int, steps_since_draft: int, probe_interval: int,
-    probe_rows: int, margin: float, min_survival: float, spec_scale: float = 1.0, plain_scale: float = 1.0,
-) -> SpeculationDecision:
-    """`decide_speculation` on a float64 [N, k] array, unchecked (the numpy twin of AutoPolicy's compiled
-    decision, fused.py)."""
     num_reqs = survival.shape[0]
     if num_reqs == 0:
         return SpeculationDecision(False, 0, False, 0, 0, 0.0, 0.0)
-    plain_rate = num_reqs * costs.plain_steps_per_sec(num_reqs)
     best_n, best_rate = 0, 0.0
-    if known_rows > 0 and survival.shape[1] > 0:
-        values = survival.ravel(order="K")  # memory order: no copy for a transposed view
-        values = values[values >= min_survival]  # drops NaN too
-        # tau(n) = N + a_1 + ... + a_n summed left to right, exactly as the reference does
-        tau = np.empty(values.size + 1)
-        tau[0] = num_reqs
-        tau[1:] = np.sort(values)[::-1]
-        np.cumsum(tau, out=tau)
-        seconds = costs.verify_seconds_range(start=num_reqs, count=tau.size, num_reqs=num_reqs)
-        rate = tau / (costs.draft_seconds(num_reqs) + seconds)
-        best_n = int(np.argmax(rate))
-        best_rate = float(rate[best_n])
+    if known_rows > 0:
+        best_n, best_rate = best_speculation(survival=survival, costs=costs, min_survival=min_survival)
     return decision_from_best(num_reqs=num_reqs, best_n=best_n, best_rate=best_rate * spec_scale,
-                              plain_rate=plain_rate * plain_scale, steps_since_draft=steps_since_draft,
-                              probe_interval=probe_interval, probe_rows=probe_rows, margin=margin)
+                              plain_rate=num_reqs * costs.plain_steps_per_sec(num_reqs) * plain_scale,
+                              steps_since_draft=steps_since_draft, probe_interval=probe_interval,
+                              probe_rows=probe_rows, margin=margin)
+
+
+def best_speculation(*, survival: torch.Tensor, costs: StepCosts, min_survival: float = 0.0) -> tuple[int, float]:
+    """(n*, spec(n*)): the first n maximising spec(n) = (N + a_1 + ... + a_n) / (draft_seconds(N) +
+    verify(N, N + n)) over the survivals [N, block_size] (host) that are >= min_survival, taken in
+    descending order; tau(n) is summed left to right (fused.best_rate_pass is its compiled twin)."""
+    num_reqs = survival.shape[0]
+    values = survival.detach().reshape(-1).to(torch.float64)
+    values = values[values >= min_survival]  # drops NaN too
+    tau = torch.empty(values.numel() + 1, dtype=torch.float64)
+    tau[0] = num_reqs
+    tau[1:] = torch.sort(values, descending=True).values
+    tau = torch.cumsum(tau, 0)
+    seconds = costs.verify_seconds_range(start=num_reqs, count=tau.numel(), num_reqs=num_reqs)
+    rate = tau / (costs.draft_seconds(num_reqs) + torch.from_numpy(seconds))
+    best_n = int(torch.argmax(rate))  # the first maximum
+    return best_n, float(rate[best_n])
 
 
 def decision_from_best(*, num_reqs: int, best_n: int, best_rate: float, plain_rate: float, steps_since_draft: int,
@@ -244,56 +235,56 @@ def decision_from_best(*, num_reqs: int, best_n: int, best_rate: float, plain_ra
     return SpeculationDecision(False, 0, False, 0, best_n, best_rate, plain_rate)
 
 
-def estimated_survival(*, confidences: torch.Tensor, known: torch.Tensor, ratios: torch.Tensor) -> torch.Tensor:
-    """Survival estimates [N, k] float64 for the switch.
+def sum_rows_in_order(values: torch.Tensor) -> torch.Tensor:
+    """values [R, ...] summed over the rows one after the other, left to right (a reduction may reorder
+    the additions; the compiled twins in fused.py add in row order, and the twins agree to the bit)."""
+    if values.shape[0] == 0:
+        return values.new_zeros(values.shape[1:])
+    return torch.cumsum(values, 0)[-1]
 
-    confidences [N, k]: each row's last drafted calibrated per-slot confidences (any values where the
-    row is unknown); known [N] bool; ratios [k]: the audit's per-slot correction rho_j. Known rows:
-    cumprod(min(1, c_j x rho_j)); unknown rows: the per-slot mean of the known rows' corrected
-    confidences (ones x rho when no row is known)."""
+
+def estimated_survival(*, confidences: torch.Tensor, known: torch.Tensor, ratios: torch.Tensor,
+                       prior: torch.Tensor | None = None) -> torch.Tensor:
+    """Survival estimates [N, block_size] float64 for the switch (host tensors).
+
+    confidences [N, block_size]: each row's last drafted calibrated per-slot confidences (any values
+    where the row is unknown); known [N] bool; ratios [block_size]: the audit's per-slot correction
+    rho_j; prior [block_size]: the per-slot confidences assumed when no row is known (None: 1). Known
+    rows: cumprod(clip(c_j x rho_j, 0, 1)); unknown rows: the same over the per-slot mean of the known
+    rows' clip(c_j x rho_j, 0, 1), or over clip(prior_j x rho_j, 0, 1) when no row is known
+    (fused.survival_pass is its compiled twin)."""
     if confidences.dim() != 2 or known.shape != confidences.shape[:1] or ratios.shape != confidences.shape[1:]:
-        raise ValueError(f"need confidences [N, k], known [N], ratios [k]; got {tuple(confidences.shape)}, "
-                         f"{tuple(known.shape)}, {tuple(ratios.shape)}")
-    return torch.from_numpy(estimated_survival_numpy(
-        confidences=confidences.detach().to(torch.float64).numpy(), known=known.numpy(),
-        ratios=ratios.detach().to(torch.float64).numpy()))
-
-
-def estimated_survival_numpy(*, confidences: np.ndarray, known: np.ndarray, ratios: np.ndarray) -> np.ndarray:
-    """`estimated_survival` on float64 [N, k] arrays (computed slot-major: one contiguous row per slot)."""
-    corrected = np.array(confidences.T, dtype=np.float64, order="C")
-    np.multiply(corrected, ratios[:, None], out=corrected)
-    np.minimum(corrected, 1.0, out=corrected)
-    np.maximum(corrected, 0.0, out=corrected)
-    num_known = int(np.count_nonzero(known))
-    if num_known < known.size:
-        corrected[:, ~known] = (corrected[:, known].sum(1) / num_known if num_known
-                                else np.clip(ratios, 0.0, 1.0))[:, None]
-    for j in range(1, corrected.shape[0]):  # cumulative product down the k rows
-        np.multiply(corrected[j - 1], corrected[j], out=corrected[j])
-    return corrected.T
+        raise ValueError(f"need confidences [N, block_size], known [N], ratios [block_size]; got "
+                         f"{tuple(confidences.shape)}, {tuple(known.shape)}, {tuple(ratios.shape)}")
+    if prior is not None and prior.shape != ratios.shape:
+        raise ValueError(f"prior must be [block_size={ratios.shape[0]}], got {tuple(prior.shape)}")
+    ratios = ratios.detach().to(torch.float64)
+    corrected = (confidences.detach().to(torch.float64) * ratios).clamp_(0.0, 1.0)
+    known = known.to(torch.bool)
+    num_known = int(known.sum())
+    if num_known < known.numel():
+        if num_known:
+            fill = sum_rows_in_order(corrected[known]) / num_known
+        else:
+            fill = (ratios if prior is None else prior.detach().to(torch.float64) * ratios).clamp(0.0, 1.0)
+        corrected[~known] = fill
+    return torch.cumprod(corrected, dim=1)
 
 
 def audit_counts(
     *, confidences: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted [k], predicted [k]) float64 of one verified step: slot j of row r counts when it was
-    verified with every earlier slot kept (j < min(verify_len, accepted + 1)); accepted adds 1 if it was
-    kept, predicted adds its calibrated confidence c_{r,j}."""
+    """(accepted [block_size], predicted [block_size]) float64 of one verified step: slot j of row r
+    counts when it was verified with every earlier slot kept (j < min(verify_length, num_accepted + 1));
+    accepted adds 1 if it was kept, predicted adds its calibrated confidence c_{r,j} (fused.audit_pass
+    is its compiled twin)."""
     check_confidences(confidences)
-    accepted, predicted = audit_counts_slot_major(
-        np.array(confidences.detach().cpu().numpy().T, dtype=np.float64, order="C"),
-        verify_lengths=verify_lengths.cpu().numpy(), num_accepted=num_accepted.cpu().numpy())
-    return torch.from_numpy(accepted).to(confidences.device), torch.from_numpy(predicted).to(confidences.device)
-
-
-def audit_counts_slot_major(confidences: np.ndarray, *, verify_lengths: np.ndarray, num_accepted: np.ndarray
-                            ) -> tuple[np.ndarray, np.ndarray]:
-    """`audit_counts` on a float64 [k, B] array and int arrays."""
-    slot = np.arange(confidences.shape[0])[:, None]
-    attempted = slot < np.minimum(verify_lengths, num_accepted + 1)[None, :]
-    accepted = (attempted & (slot < num_accepted[None, :])).sum(1, dtype=np.float64)
-    predicted = np.where(attempted, confidences, 0.0).sum(1)
+    slot = torch.arange(confidences.shape[1], device=confidences.device)[None, :]
+    num_accepted = num_accepted.to(confidences.device)[:, None]
+    attempted = slot < torch.minimum(verify_lengths.to(confidences.device)[:, None], num_accepted + 1)
+    kept = attempted & (slot < num_accepted)
+    accepted = kept.to(torch.float64).sum(0)  # whole numbers: any order is exact
+    predicted = sum_rows_in_order(torch.where(attempted, confidences.detach().to(torch.float64), 0.0))
     return accepted, predicted
 
 
@@ -400,76 +391,3 @@ class RateGuard:
             expected = min(4.0 * tokens, max(0.25 * tokens, seconds * predicted))
             sums[0] = self.decay * sums[0] + tokens / num_reqs
             sums[1] = self.decay * sums[1] + expected / num_reqs
-
-
-# ---- plain-Python references -------------------------------------------------------------------
-
-
-def decide_speculation_reference(
-    *,
-    survival: Sequence[Sequence[float]],
-    sps: SpsFn,
-    plain_steps_per_sec: float,
-    draft_seconds: float,
-    known_rows: int,
-    steps_since_draft: int,
-    probe_interval: int,
-    probe_rows: int = 4,
-    margin: float = 0.05,
-    min_survival: float = 0.0,
-    spec_scale: float = 1.0,
-    plain_scale: float = 1.0,
-) -> SpeculationDecision:
-    num_reqs = len(survival)
-    if num_reqs == 0:
-        return SpeculationDecision(False, 0, False, 0, 0, 0.0, 0.0)
-    plain_rate = num_reqs * plain_steps_per_sec
-    best_n, best_rate = 0, 0.0
-    if known_rows > 0:
-        values = sorted((a for row in survival for a in row if a >= min_survival), reverse=True)
-        tau = float(num_reqs)
-        for n in range(len(values) + 1):
-            if n:
-                tau += values[n - 1]
-            steps = sps(num_reqs + n, num_reqs)
-            rate = tau / (draft_seconds + (1.0 / steps if steps > 0 else float("inf")))
-            if n == 0 or rate > best_rate:
-                best_n, best_rate = n, rate
-    best_rate, plain_rate = best_rate * spec_scale, plain_rate * plain_scale
-    if best_n > 0 and best_rate > (1.0 + margin) * plain_rate:
-        return SpeculationDecision(True, best_n, False, num_reqs, best_n, best_rate, plain_rate)
-    if steps_since_draft >= probe_interval:
-        rows = min(probe_rows, num_reqs)
-        return SpeculationDecision(True, max(best_n, rows), True, rows, best_n, best_rate, plain_rate)
-    return SpeculationDecision(False, 0, False, 0, best_n, best_rate, plain_rate)
-
-
-def estimated_survival_reference(
-    *, confidences: Sequence[Sequence[float]], known: Sequence[bool], ratios: Sequence[float]
-) -> list[list[float]]:
-    corrected = [[min(1.0, max(0.0, c * r)) for c, r in zip(row, ratios)] for row in confidences]
-    known_rows = [row for row, kn in zip(corrected, known) if kn]
-    if known_rows:
-        fill = [sum(col) / len(known_rows) for col in zip(*known_rows)]
-    else:
-        fill = [min(1.0, max(0.0, r)) for r in ratios]
-    out = []
-    for row, kn in zip(corrected, known):
-        acc, surv = 1.0, []
-        for c in (row if kn else fill):
-            acc *= c
-            surv.append(acc)
-        out.append(surv)
-    return out
-
-
-def audit_counts_reference(
-    *, confidences: Sequence[Sequence[float]], verify_lengths: Sequence[int], num_accepted: Sequence[int]
-) -> tuple[list[float], list[float]]:
-    k = len(confidences[0]) if confidences else 0
-    accepted, predicted = [0.0] * k, [0.0] * k
-    for row, vl, acc in zip(confidences, verify_lengths, num_accepted):
-        for j in range(min(vl, acc + 1, k)):
-            accepted[j] += 1.0 if j < acc else 0.0
-            predicted[j] += float(row[j])
-    return accepted, predicted

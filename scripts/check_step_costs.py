@@ -72,7 +72,7 @@ def main() -> None:
             times = []
             for _ in range(args.repeats + 1):
                 t0 = time.perf_counter()
-                verify_forward(adapter, block, verify_len=verify_len, rows=rows, hidden_layer_ids=[])
+                verify_forward(adapter, block, verify_lengths=verify_len, rows=rows, hidden_layer_ids=[])
                 times.append(time.perf_counter() - t0)
                 adapter.truncate(start_lengths, rows=rows)  # the verify committed its positions: undo
             real = statistics.median(times[1:])  # the first call warms the shape up

@@ -1,4 +1,4 @@
-"""Contracts between the reference engine, drafters and verify-length policies."""
+"""Contracts between the reference engine, drafters (`Drafter`) and verify-length policies (`VerifyPolicy`)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class DraftContext:
     Position convention: the target KV cache holds positions 0..n of request b (n = last committed
     position, `last_position[b]`); the anchor is the last token sampled by the target (its bonus
     token), not yet in the KV cache, at position n+1. Slot j (0-based) of the block predicts the token
-    at position n+2+j ("anchor then k-1 masks", DSpark's slot convention)."""
+    at position n+2+j ("anchor then block_size-1 masks", DSpark's slot convention)."""
 
     anchor_tokens: torch.Tensor  # [B] long
     last_position: torch.Tensor  # [B] long, n
@@ -68,20 +68,20 @@ class DraftContext:
 
 @dataclass
 class DraftProposal:
-    tokens: torch.Tensor  # [B, k] long, target vocabulary ids
-    # draft distributions over the target vocabulary [B, k, V], after the engine's sampling
+    tokens: torch.Tensor  # [B, block_size] long, target vocabulary ids
+    # draft distributions over the target vocabulary [B, block_size, V], after the engine's sampling
     # transforms (temperature/top-k/top-p); None = deterministic proposal (q is one-hot on tokens)
     q: torch.Tensor | None = None
-    # raw (pre-sigmoid, pre-STS) confidence logits per slot [B, k]; None when the drafter has no head
+    # raw (pre-sigmoid, pre-STS) confidence logits per slot [B, block_size]; None when the drafter has no head
     confidence_logits: torch.Tensor | None = None
-    # real proposals per row [B] (<= k); None = k for every row (n-gram drafters may find fewer)
+    # real proposals per row [B] (<= block_size); None = block_size for every row (n-gram drafters may find fewer)
     lengths: torch.Tensor | None = None
 
 
 @runtime_checkable
 class Drafter(Protocol):
     name: str
-    block_size: int  # k: tokens proposed per step
+    block_size: int  # tokens proposed per step
     target_layer_ids: tuple[int, ...]  # hidden states the engine must capture at position n
     kv_layer_ids: tuple[int, ...]  # target layers whose KV the drafter reads
     sliding_window: int  # KV window (positions max(0, n+1-W)..n)
@@ -93,4 +93,32 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """Forget per-request state (the engine calls it at the start of each generate call)."""
+        ...
+
+
+@runtime_checkable
+class VerifyPolicy(Protocol):
+    """How many drafts each request verifies, step by step: the engine calls `decide` before drafting,
+    `plan` for the rows that drafted, and `observe` after the verify (sglang_hspec/engine/policies.py
+    holds the implementations: fixed, the scheduler's exact / stale planners, and auto).
+
+    Ids are per active row of the step: row_ids [B] long (the engine's request row, stable for a request),
+    generations [B] long (changes whenever a row holds a new request)."""
+
+    def decide(self, *, row_ids: torch.Tensor, generations: torch.Tensor) -> torch.Tensor:
+        """The batch positions [D] long (ascending) of the rows that draft this step: all B, some (a
+        probe), or none (a plain decode step: every row verifies its anchor alone)."""
+        ...
+
+    def plan(self, *, confidences: torch.Tensor | None, proposal_lengths: torch.Tensor, row_ids: torch.Tensor,
+             generations: torch.Tensor) -> torch.Tensor:
+        """The verify lengths [D] long (0..proposal_lengths) of the drafted rows. confidences [D, block_size]:
+        calibrated per-slot probabilities, None for a drafter without a confidence head; proposal_lengths
+        [D]: the real proposals per row; row_ids / generations: the drafted rows'."""
+        ...
+
+    def observe(self, *, row_ids: torch.Tensor, generations: torch.Tensor, verify_lengths: torch.Tensor,
+                num_accepted: torch.Tensor) -> None:
+        """The outcome of the drafted rows' verify: verify_lengths [D] as verified (after the engine's
+        cap at the tokens a request may still emit), num_accepted [D] drafts kept."""
         ...

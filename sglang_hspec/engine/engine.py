@@ -1,8 +1,9 @@
 """Reference speculative-decoding engine: batched, lossless, on a Hugging Face target.
 
 One step for the active requests: the drafter proposes block_size tokens per request (with q and raw
-confidence logits), a verify-length policy picks l_r <= block_size, the target runs anchor + l_r tokens
-in one forward, `accept_block` keeps a prefix and draws the next token, and the KV cache is rolled back
+confidence logits), a verify-length policy (`VerifyPolicy`) picks each request's verify_length <=
+block_size, the target runs anchor + verify_length tokens in one forward, `accept_block` keeps a
+prefix and draws the next token, and the KV cache is rolled back
 to the accepted length in O(1). Plain decoding is the same loop with the `none` drafter. A switching
 policy (`--policy auto`) may skip the drafter for some or all rows of a step; those rows verify only
 their anchor, which is exactly a plain decode step.
@@ -10,7 +11,6 @@ their anchor, which is exactly a plain decode step.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from sglang_hspec.core.sampling import sample_from, sampling_probs
-from sglang_hspec.core.types import DraftContext, Drafter, SamplingParams
+from sglang_hspec.core.types import DraftContext, DraftProposal, Drafter, SamplingParams, VerifyPolicy
+from sglang_hspec.engine.policies import FixedVerifyPolicy
 from sglang_hspec.engine.verify import accept_block
 from sglang_hspec.target.adapter import ExtendOutput, TargetAdapter
 
@@ -28,7 +29,7 @@ from sglang_hspec.target.adapter import ExtendOutput, TargetAdapter
 class RequestStats:
     block_size: int
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify step, bonus included
-    verify_lengths: list[int] = field(default_factory=list)  # draft tokens verified per step (l_r)
+    verify_lengths: list[int] = field(default_factory=list)  # draft tokens verified per step (verify_length)
     slot_attempts: list[int] = field(default_factory=list)  # per draft slot: verified with all earlier kept
     slot_accepts: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -92,15 +93,6 @@ class GenerationResult:
         }
 
 
-def full_block_policy(*, block_size: int) -> Callable:
-    """Verify every proposed token (the fixed policy)."""
-
-    def plan(*, confidences: torch.Tensor | None, proposal_lengths: torch.Tensor, row_ids, generations):
-        return proposal_lengths.clamp_max(block_size)
-
-    return plan
-
-
 def with_texts(results: list[GenerationResult], tokenizer) -> list[GenerationResult]:
     """Decode each result's output ids into its text (special tokens skipped) when there is a tokenizer."""
     if tokenizer is not None:
@@ -119,24 +111,25 @@ def eos_token_ids_of(adapter: TargetAdapter, eos_token_ids: Sequence[int] | None
     return set(int(e) for e in eos_token_ids)
 
 
-def verify_forward(adapter: TargetAdapter, block: torch.Tensor, *, verify_len: torch.Tensor, rows: torch.Tensor,
-                   hidden_layer_ids) -> ExtendOutput:
-    """The target forward of one step: `block` [B, 1 + lmax] holds each row's anchor and its drafts, row b
-    verifying verify_len[b] of them. Commits 1 + verify_len[b] positions per row, like one padded extend.
+def verify_forward(adapter: TargetAdapter, block: torch.Tensor, *, verify_lengths: torch.Tensor,
+                   rows: torch.Tensor, hidden_layer_ids) -> ExtendOutput:
+    """The target forward of one step: `block` [B, 1 + longest] holds each row's anchor and its drafts,
+    row b verifying verify_lengths[b] of them. Commits 1 + verify_lengths[b] positions per row, like one
+    padded extend.
 
-    A padded forward computes every row at 1 + lmax tokens. When few rows verify drafts (a probe of
-    `--policy auto`: 4 of 32 rows at lmax 7 use 60 of 256 tokens, and a CPU forward costs in proportion
+    A padded forward computes every row at 1 + longest tokens. When few rows verify drafts (a probe of
+    `--policy auto`: 4 of 32 rows at longest 7 use 60 of 256 tokens, and a CPU forward costs in proportion
     to its tokens) and the padding would cost at least a plain step's tokens, the anchors of all rows run
     first, as the plain decode step itself, and the drafts of the rows that verify any run after them
     over those rows only (reading the anchors' KV just written). Each row's logits are still those of
     its own prefix: the split changes the cost, not which tokens are accepted."""
     b, width = block.shape
-    lmax = width - 1
-    drafting = (verify_len > 0).nonzero().squeeze(-1)
-    if lmax == 0 or (b - drafting.numel()) * lmax < b:
-        return adapter.extend(block, num_tokens=1 + verify_len, rows=rows, hidden_layer_ids=hidden_layer_ids)
+    longest = width - 1
+    drafting = (verify_lengths > 0).nonzero().squeeze(-1)
+    if longest == 0 or (b - drafting.numel()) * longest < b:
+        return adapter.extend(block, num_tokens=1 + verify_lengths, rows=rows, hidden_layer_ids=hidden_layer_ids)
     first = adapter.extend(block[:, :1], rows=rows, hidden_layer_ids=hidden_layer_ids)
-    rest = adapter.extend(block[drafting, 1:], num_tokens=verify_len[drafting], rows=rows[drafting],
+    rest = adapter.extend(block[drafting, 1:], num_tokens=verify_lengths[drafting], rows=rows[drafting],
                           hidden_layer_ids=hidden_layer_ids)
     logits = first.logits.new_zeros((b, width, first.logits.shape[-1]))
     logits[:, :1] = first.logits
@@ -149,6 +142,39 @@ def verify_forward(adapter: TargetAdapter, block: torch.Tensor, *, verify_len: t
     return ExtendOutput(logits=logits, hidden=hidden)
 
 
+@dataclass
+class _Generation:
+    """The state of one `generate` call, across its steps."""
+
+    sampling: SamplingParams
+    results: list[GenerationResult]
+    generator: torch.Generator | None
+    hidden_layer_ids: list[int]
+    # drafters with a drafter-side KV cache must see every committed position, drafted or not
+    extend_context: Callable | None
+    # the others read the hidden states at the last position only: no [B, prompt, 5, d] copy per call
+    reads_new_hidden: bool
+    anchors: torch.Tensor  # [n] the next anchor of every row
+    last_hidden: torch.Tensor | None  # [n, num_ids, hidden] at each row's last committed position
+    new_hidden: torch.Tensor | None  # [n, L, num_ids, hidden] committed since each row's last propose
+    new_hidden_lengths: torch.Tensor  # [n]
+    histories: list[list[int]]  # committed token ids per row (the pending anchor excluded)
+    active: torch.Tensor  # [n] bool, rows still generating
+    generations: torch.Tensor  # [n] long, this call's generation (one per call)
+    start_seconds: float
+
+
+@dataclass
+class _Drafts:
+    """One step's drafts over the B active rows (rows that did not draft verify only their anchor)."""
+
+    drafted: torch.Tensor  # [D] batch positions that drafted
+    verify_lengths: torch.Tensor  # [B] long, draft tokens each row verifies
+    tokens: torch.Tensor  # [B, max verify_length] draft tokens (0 past a row's verify length)
+    q: torch.Tensor | None  # [B, max verify_length, V] draft distributions, None: one-hot on the tokens
+    proposal: DraftProposal | None  # the drafter's proposal for the drafted rows
+
+
 class SpeculativeEngine:
     """Batched speculative decoding over a `TargetAdapter` with any `Drafter`."""
 
@@ -157,7 +183,7 @@ class SpeculativeEngine:
         adapter: TargetAdapter,
         drafter: Drafter,
         *,
-        policy: Callable | None = None,
+        policy: VerifyPolicy | None = None,
         confidence_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         confidence_recorder=None,
         eos_token_ids: Sequence[int] | None = None,
@@ -165,7 +191,11 @@ class SpeculativeEngine:
         self.adapter = adapter
         self.drafter = drafter
         adapter.check_layer_ids(list(drafter.target_layer_ids) + list(drafter.kv_layer_ids))
-        self.policy = policy or full_block_policy(block_size=drafter.block_size)
+        policy = FixedVerifyPolicy(block_size=drafter.block_size) if policy is None else policy
+        if not isinstance(policy, VerifyPolicy):
+            raise TypeError(f"policy must implement sglang_hspec.core.types.VerifyPolicy (decide, plan, observe), "
+                            f"got {type(policy).__name__}; build one with engine.policies.make_policy")
+        self.policy = policy
         # raw confidence logits [B, block_size] -> per-slot probabilities (STS-calibrated when given)
         self.confidence_transform = confidence_transform or torch.sigmoid
         self.confidence_recorder = confidence_recorder
@@ -183,11 +213,29 @@ class SpeculativeEngine:
     ) -> list[GenerationResult]:
         prompts = [list(map(int, p)) for p in prompts]
         self._validate(prompts, sampling)
-        block_size = self.drafter.block_size
-        results = [GenerationResult(i, p, [], "length", RequestStats(block_size=block_size))
+        results = [GenerationResult(i, p, [], "length", RequestStats(block_size=self.drafter.block_size))
                    for i, p in enumerate(prompts)]
         if not prompts or sampling.max_new_tokens == 0:
             return self._finish_text(results)
+        run = self._prefill(prompts, sampling, results)
+        bar = tqdm(total=sampling.max_new_tokens * len(prompts), disable=not progress, desc="generate", unit="tok")
+        bar.update(sum(len(r.output_ids) for r in results))
+        while bool(run.active.any()):
+            before = sum(len(r.output_ids) for r in results)
+            self._step(run)
+            bar.update(sum(len(r.output_ids) for r in results) - before)
+        bar.close()
+        wall = time.perf_counter() - run.start_seconds
+        for r in results:
+            r.stats.wall_seconds = wall
+        return self._finish_text(results)
+
+    # ------------------------------------------------------------------ the steps of a call
+
+    def _prefill(self, prompts: list[list[int]], sampling: SamplingParams,
+                 results: list[GenerationResult]) -> _Generation:
+        """Prefill every prompt (in groups of rows, TargetAdapter.prefill) and emit the first token, sampled
+        from the last prompt logits."""
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.adapter.device).manual_seed(sampling.seed)
@@ -195,138 +243,153 @@ class SpeculativeEngine:
         adapter, device = self.adapter, self.adapter.device
         n = len(prompts)
         longest = max(len(p) for p in prompts)
-        adapter.reset(n, capacity=longest + sampling.max_new_tokens + block_size + 2)
-        hidden_ids = list(self.drafter.target_layer_ids)
-        t_start = time.perf_counter()
-
-        # drafters with a drafter-side KV cache must see every committed position, drafted or not
+        adapter.reset(n, capacity=longest + sampling.max_new_tokens + self.drafter.block_size + 2)
+        hidden_layer_ids = list(self.drafter.target_layer_ids)
+        start_seconds = time.perf_counter()
         extend_context = getattr(self.drafter, "extend_context", None)
-        # the others read the hidden states at the last position only: no [B, prompt, 5, d] copy per call
         reads_new_hidden = extend_context is not None or getattr(self.drafter, "reads_new_hidden", True)
-        # prefill (in groups of rows, TargetAdapter.prefill); the first token comes from the last prompt logits
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
-        out = adapter.prefill(prompts, hidden_layer_ids=hidden_ids, last_hidden_only=not reads_new_hidden)
-        last_logits = out.logits[:, 0]
-        anchors = sample_from(sampling_probs(last_logits, sampling), generator)
+        prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
+        out = adapter.prefill(prompts, hidden_layer_ids=hidden_layer_ids, last_hidden_only=not reads_new_hidden)
+        anchors = sample_from(sampling_probs(out.logits[:, 0], sampling), generator)
         if not reads_new_hidden:
             last_hidden = out.hidden[:, 0] if out.hidden is not None else None
             new_hidden = None
         else:
-            last_hidden = out.hidden[torch.arange(n, device=device), lengths - 1] if out.hidden is not None else None
+            last_hidden = (out.hidden[torch.arange(n, device=device), prompt_lengths - 1] if out.hidden is not None
+                           else None)
             new_hidden = out.hidden
-        new_hidden_lengths = lengths.clone()
-        prefill_seconds = time.perf_counter() - t_start
-
-        histories = [list(p) for p in prompts]
-        active = torch.ones(n, dtype=torch.bool)
+        prefill_seconds = time.perf_counter() - start_seconds
         # one generation per generate() call: a policy kept across calls must not hand row r's state
         # (stale confidences, age) to the next call's row r
         generations = torch.full((n,), self._generate_calls, dtype=torch.long)
         self._generate_calls += 1
+        run = _Generation(sampling=sampling, results=results, generator=generator, hidden_layer_ids=hidden_layer_ids,
+                          extend_context=extend_context, reads_new_hidden=reads_new_hidden, anchors=anchors,
+                          last_hidden=last_hidden, new_hidden=new_hidden, new_hidden_lengths=prompt_lengths.clone(),
+                          histories=[list(p) for p in prompts], active=torch.ones(n, dtype=torch.bool),
+                          generations=generations, start_seconds=start_seconds)
         for i in range(n):
             results[i].stats.prefill_seconds = prefill_seconds
-            self._emit(results[i], [int(anchors[i])], sampling, histories, active)
+            self._emit(results[i], [int(anchors[i])], sampling, run.histories, run.active)
+        return run
 
-        bar = tqdm(total=sampling.max_new_tokens * n, disable=not progress, desc="generate", unit="tok")
-        bar.update(sum(len(r.output_ids) for r in results))
-        # a switching policy (auto) first decides whether this step drafts at all, and which rows
-        decide = getattr(self.policy, "decide", None)
-        observe = getattr(self.policy, "observe", None)
-        while bool(active.any()):
-            idx = active.nonzero().squeeze(-1)
-            ridx = idx.to(device)
-            b = idx.shape[0]
-            drafted = decide(row_ids=ridx, generations=generations[idx]) if decide else torch.arange(b)
-            drafted = drafted.to(device)
-            skipped = torch.ones(b, dtype=torch.bool, device=device)
-            skipped[drafted] = False
-            if extend_context is not None and new_hidden is not None and bool(skipped.any()):
-                extend_context(new_hidden[ridx[skipped]], new_hidden_lengths[ridx[skipped]], rows=ridx[skipped])
-            verify_len = torch.zeros(b, dtype=torch.long, device=device)
-            draft = torch.zeros((b, 0), dtype=torch.long, device=device)
-            q = None
-            proposal = None
-            if drafted.numel():
-                didx = ridx[drafted]
-                ctx = DraftContext(
-                    anchor_tokens=anchors[didx],
-                    last_position=adapter.lengths[didx] - 1,
-                    target_hidden=None if last_hidden is None else last_hidden[didx],
-                    kv_views={lid: adapter.kv_view(lid, window=self.drafter.sliding_window, rows=didx)
-                              for lid in self.drafter.kv_layer_ids},
-                    token_history=[histories[i] for i in idx[drafted.cpu()].tolist()],
-                    row_ids=didx,
-                    new_hidden=None if new_hidden is None else new_hidden[didx],
-                    new_hidden_lengths=new_hidden_lengths[didx],
-                )
-                proposal = self.drafter.propose(ctx, sampling, generator)
-                d = drafted.numel()
-                prop_len = proposal.lengths if proposal.lengths is not None else \
-                    torch.full((d,), block_size, dtype=torch.long)
-                prop_len = prop_len.to(device)
-                confidences = None
-                if proposal.confidence_logits is not None:
-                    confidences = self.confidence_transform(proposal.confidence_logits.float())
-                lengths = self.policy(confidences=confidences, proposal_lengths=prop_len, row_ids=didx,
-                                      generations=generations[idx][drafted.cpu()])
-                verify_len[drafted] = torch.minimum(lengths.to(device), prop_len)
-                # never verify more than can still be emitted (the bonus token counts too)
-                remaining = torch.tensor([sampling.max_new_tokens - len(results[i].output_ids) for i in idx.tolist()],
-                                         device=device)
-                verify_len = torch.minimum(verify_len, (remaining - 1).clamp_min(0))
-                lmax = int(verify_len.max().item())
-                draft = torch.zeros((b, lmax), dtype=torch.long, device=device)
-                draft[drafted] = proposal.tokens[:, :lmax].to(device)
-                if proposal.q is not None and lmax:
-                    q = torch.zeros((b, lmax, proposal.q.shape[-1]), dtype=torch.float32, device=device)
-                    q[drafted] = proposal.q[:, :lmax].to(device).float()
+    def _step(self, run: _Generation) -> None:
+        """One step over the active rows: draft, verify and accept, commit or roll back, record and emit."""
+        idx = run.active.nonzero().squeeze(-1)
+        rows = idx.to(self.adapter.device)
+        drafts = self._draft(run, idx, rows)
+        block = torch.cat([run.anchors[rows][:, None], drafts.tokens], dim=1)
+        num_accepted, next_tokens, out = self._verify(run, block, drafts, rows)
+        if drafts.drafted.numel():
+            self.policy.observe(row_ids=rows[drafts.drafted], generations=run.generations[idx][drafts.drafted.cpu()],
+                                verify_lengths=drafts.verify_lengths[drafts.drafted],
+                                num_accepted=num_accepted[drafts.drafted])
+        self._commit(run, rows, drafts, num_accepted, next_tokens, out)
+        self._record_step(run, idx, block, drafts, num_accepted, next_tokens)
 
-            block = torch.cat([anchors[ridx][:, None], draft], dim=1)
-            out = verify_forward(adapter, block, verify_len=verify_len, rows=ridx, hidden_layer_ids=hidden_ids)
-            # greedy acceptance reads only the argmax: the logits' is the one-hot's, without building a
-            # [B, L, V] one-hot (14 % of a 32-row plain decode step)
-            target_probs = out.logits if sampling.greedy else sampling_probs(out.logits, sampling)
-            num_acc, next_tok = accept_block(draft_tokens=draft, verify_lengths=verify_len, target_probs=target_probs,
-                                             draft_probs=q, greedy=sampling.greedy, generator=generator)
-            if observe is not None and drafted.numel():
-                observe(row_ids=ridx[drafted], generations=generations[idx][drafted.cpu()],
-                        verify_lengths=verify_len[drafted], num_accepted=num_acc[drafted])
-            # rollback: keep the anchor and the accepted drafts; the drawn token is the next anchor
-            start = adapter.lengths[ridx] - 1 - verify_len
-            adapter.truncate(start + 1 + num_acc, rows=ridx)
-            anchors[ridx] = next_tok
-            if out.hidden is not None:
-                if last_hidden is None:
-                    last_hidden = torch.zeros((n, *out.hidden.shape[2:]), dtype=out.hidden.dtype, device=device)
-                last_hidden[ridx] = out.hidden[torch.arange(b, device=device), num_acc]
-                if reads_new_hidden:
-                    new_hidden = torch.zeros((n, *out.hidden.shape[1:]), dtype=out.hidden.dtype, device=device)
-                    new_hidden[ridx] = out.hidden
-            new_hidden_lengths = torch.zeros(n, dtype=torch.long, device=device)
-            new_hidden_lengths[ridx] = 1 + num_acc
+    def _draft(self, run: _Generation, idx: torch.Tensor, rows: torch.Tensor) -> _Drafts:
+        """The policy's choice of the rows that draft, their proposals, and the verify length of every row
+        (never more than the tokens it may still emit, the bonus token included)."""
+        adapter, device, sampling = self.adapter, self.adapter.device, run.sampling
+        b = idx.shape[0]
+        drafted = self.policy.decide(row_ids=rows, generations=run.generations[idx]).to(device)
+        skipped = torch.ones(b, dtype=torch.bool, device=device)
+        skipped[drafted] = False
+        if run.extend_context is not None and run.new_hidden is not None and bool(skipped.any()):
+            run.extend_context(run.new_hidden[rows[skipped]], run.new_hidden_lengths[rows[skipped]],
+                               rows=rows[skipped])
+        verify_lengths = torch.zeros(b, dtype=torch.long, device=device)
+        tokens = torch.zeros((b, 0), dtype=torch.long, device=device)
+        if not drafted.numel():
+            return _Drafts(drafted=drafted, verify_lengths=verify_lengths, tokens=tokens, q=None, proposal=None)
+        drafted_rows = rows[drafted]
+        ctx = DraftContext(
+            anchor_tokens=run.anchors[drafted_rows],
+            last_position=adapter.lengths[drafted_rows] - 1,
+            target_hidden=None if run.last_hidden is None else run.last_hidden[drafted_rows],
+            kv_views={lid: adapter.kv_view(lid, window=self.drafter.sliding_window, rows=drafted_rows)
+                      for lid in self.drafter.kv_layer_ids},
+            token_history=[run.histories[i] for i in idx[drafted.cpu()].tolist()],
+            row_ids=drafted_rows,
+            new_hidden=None if run.new_hidden is None else run.new_hidden[drafted_rows],
+            new_hidden_lengths=run.new_hidden_lengths[drafted_rows],
+        )
+        proposal = self.drafter.propose(ctx, sampling, run.generator)
+        proposal_lengths = proposal.lengths if proposal.lengths is not None else \
+            torch.full((drafted.numel(),), self.drafter.block_size, dtype=torch.long)
+        proposal_lengths = proposal_lengths.to(device)
+        confidences = None
+        if proposal.confidence_logits is not None:
+            confidences = self.confidence_transform(proposal.confidence_logits.float())
+        planned = self.policy.plan(confidences=confidences, proposal_lengths=proposal_lengths, row_ids=drafted_rows,
+                                   generations=run.generations[idx][drafted.cpu()])
+        verify_lengths[drafted] = torch.minimum(planned.to(device), proposal_lengths)
+        # never verify more than can still be emitted (the bonus token counts too)
+        remaining = torch.tensor([sampling.max_new_tokens - len(run.results[i].output_ids) for i in idx.tolist()],
+                                 device=device)
+        verify_lengths = torch.minimum(verify_lengths, (remaining - 1).clamp_min(0))
+        longest = int(verify_lengths.max().item())
+        tokens = torch.zeros((b, longest), dtype=torch.long, device=device)
+        tokens[drafted] = proposal.tokens[:, :longest].to(device)
+        q = None
+        if proposal.q is not None and longest:
+            q = torch.zeros((b, longest, proposal.q.shape[-1]), dtype=torch.float32, device=device)
+            q[drafted] = proposal.q[:, :longest].to(device).float()
+        return _Drafts(drafted=drafted, verify_lengths=verify_lengths, tokens=tokens, q=q, proposal=proposal)
 
-            if proposal is not None:
-                self._record_confidence(proposal.confidence_logits, verify_len[drafted], num_acc[drafted], block_size)
-            before = sum(len(r.output_ids) for r in results)
-            for j, i in enumerate(idx.tolist()):
-                a, vl = int(num_acc[j]), int(verify_len[j])
-                st = results[i].stats
-                st.accept_lengths.append(a + 1)
-                st.verify_lengths.append(vl)
-                for s in range(min(vl, a + 1)):
-                    st.slot_attempts[s] += 1
-                    st.slot_accepts[s] += int(s < a)
-                new = draft[j, :a].tolist() + [int(next_tok[j])]
-                # the anchor of this step is already emitted; history gains the verified anchor + drafts
-                histories[i].append(int(block[j, 0]))
-                histories[i].extend(new[:-1])
-                self._emit(results[i], new, sampling, histories, active)
-            bar.update(sum(len(r.output_ids) for r in results) - before)
-        bar.close()
-        wall = time.perf_counter() - t_start
-        for r in results:
-            r.stats.wall_seconds = wall
-        return self._finish_text(results)
+    def _verify(self, run: _Generation, block: torch.Tensor, drafts: _Drafts, rows: torch.Tensor):
+        """(num_accepted [B], next_tokens [B], the target forward's output) of anchor + drafts: the longest
+        agreeing prefix (greedy) or rejection sampling, and the next anchor drawn from the target."""
+        sampling = run.sampling
+        out = verify_forward(self.adapter, block, verify_lengths=drafts.verify_lengths, rows=rows,
+                             hidden_layer_ids=run.hidden_layer_ids)
+        # greedy acceptance reads only the argmax: the logits' is the one-hot's, without building a
+        # [B, L, V] one-hot (14 % of a 32-row plain decode step)
+        target_probs = out.logits if sampling.greedy else sampling_probs(out.logits, sampling)
+        num_accepted, next_tokens = accept_block(draft_tokens=drafts.tokens, verify_lengths=drafts.verify_lengths,
+                                                 target_probs=target_probs, draft_probs=drafts.q,
+                                                 greedy=sampling.greedy, generator=run.generator)
+        return num_accepted, next_tokens, out
+
+    def _commit(self, run: _Generation, rows: torch.Tensor, drafts: _Drafts, num_accepted: torch.Tensor,
+                next_tokens: torch.Tensor, out: ExtendOutput) -> None:
+        """Keep the anchor and the accepted drafts in the KV cache, roll back the rest (O(1)); the drawn token
+        is the next anchor, and the hidden state of the last accepted row the next step's drafter input."""
+        adapter, device = self.adapter, self.adapter.device
+        n, b = run.active.shape[0], rows.shape[0]
+        start = adapter.lengths[rows] - 1 - drafts.verify_lengths
+        adapter.truncate(start + 1 + num_accepted, rows=rows)
+        run.anchors[rows] = next_tokens
+        if out.hidden is not None:
+            if run.last_hidden is None:
+                run.last_hidden = torch.zeros((n, *out.hidden.shape[2:]), dtype=out.hidden.dtype, device=device)
+            run.last_hidden[rows] = out.hidden[torch.arange(b, device=device), num_accepted]
+            if run.reads_new_hidden:
+                run.new_hidden = torch.zeros((n, *out.hidden.shape[1:]), dtype=out.hidden.dtype, device=device)
+                run.new_hidden[rows] = out.hidden
+        run.new_hidden_lengths = torch.zeros(n, dtype=torch.long, device=device)
+        run.new_hidden_lengths[rows] = 1 + num_accepted
+
+    def _record_step(self, run: _Generation, idx: torch.Tensor, block: torch.Tensor, drafts: _Drafts,
+                     num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """The step's confidences and per-request stats; the committed tokens emitted (EOS, stop strings and
+        max_new_tokens end a request inside a block)."""
+        if drafts.proposal is not None:
+            self._record_confidence(drafts.proposal.confidence_logits, drafts.verify_lengths[drafts.drafted],
+                                    num_accepted[drafts.drafted])
+        for j, i in enumerate(idx.tolist()):
+            accepted, verify_length = int(num_accepted[j]), int(drafts.verify_lengths[j])
+            st = run.results[i].stats
+            st.accept_lengths.append(accepted + 1)
+            st.verify_lengths.append(verify_length)
+            for s in range(min(verify_length, accepted + 1)):
+                st.slot_attempts[s] += 1
+                st.slot_accepts[s] += int(s < accepted)
+            new = drafts.tokens[j, :accepted].tolist() + [int(next_tokens[j])]
+            # the anchor of this step is already emitted; history gains the verified anchor + drafts
+            run.histories[i].append(int(block[j, 0]))
+            run.histories[i].extend(new[:-1])
+            self._emit(run.results[i], new, run.sampling, run.histories, run.active)
 
     # ------------------------------------------------------------------ helpers
 
@@ -378,18 +441,12 @@ class SpeculativeEngine:
     def _finish_text(self, results: list[GenerationResult]) -> list[GenerationResult]:
         return with_texts(results, self.adapter.tokenizer)
 
-    def _record_confidence(self, logits, verify_len, num_acc, block_size) -> None:
-        """Every verify with >= 1 draft; a recorder that takes `verify_lens` marks the slots past a shorter
-        verify as unobserved, an older one only gets full-block verifies (the only ones it can read)."""
+    def _record_confidence(self, logits, verify_lengths, num_accepted) -> None:
+        """Every verify with >= 1 draft; the slots past a shorter verify are recorded as unobserved."""
         if self.confidence_recorder is None or logits is None:
             return
-        add = self.confidence_recorder.add
-        partial_ok = "verify_lens" in inspect.signature(add).parameters
-        keep = verify_len > 0 if partial_ok else verify_len == block_size
+        keep = verify_lengths > 0
         if not bool(keep.any()):
             return
-        rows = logits[keep.to(logits.device)].float().cpu()
-        if partial_ok:  # verify_lens counts the anchor too
-            add(rows, num_acc[keep].cpu(), verify_lens=1 + verify_len[keep].cpu())
-        else:
-            add(rows, num_acc[keep].cpu())
+        self.confidence_recorder.add(logits[keep.to(logits.device)].float().cpu(), num_accepted[keep].cpu(),
+                                     verify_lengths=verify_lengths[keep].cpu())

@@ -26,14 +26,14 @@ def test_recorder_writes_sglang_layout(tmp_path):
     assert records.prefix_mask.sum(axis=1).tolist() == [0, 2, 4, 1, 3, 1, 1]
 
 
-def test_recorder_verify_lens_give_observed_mask(tmp_path):
+def test_recorder_verify_lengths_give_observed_mask(tmp_path):
     with ConfidenceRecorder(tmp_path / "r", block_size=3) as rec:
-        rec.add(torch.zeros(2, 3), torch.tensor([1, 0]), verify_lens=torch.tensor([3, 1]))
+        rec.add(torch.zeros(2, 3), torch.tensor([1, 0]), verify_lengths=torch.tensor([2, 0]))
     records = load_shard(rec.shard_paths[0])
     assert records.observed_mask.tolist() == [[True, True, False], [False, False, False]]
-    with pytest.raises(ValueError, match="verify_lens"):
+    with pytest.raises(ValueError, match="verify_lengths"):  # 2 drafts accepted of 1 verified
         ConfidenceRecorder(tmp_path / "q", block_size=3).add(
-            torch.zeros(1, 3), torch.tensor([2]), verify_lens=torch.tensor([2])
+            torch.zeros(1, 3), torch.tensor([2]), verify_lengths=torch.tensor([1])
         )
 
 

@@ -31,7 +31,7 @@ from sglang_hspec.core.sampling import sampling_probs
 from sglang_hspec.core.types import SamplingParams
 from sglang_hspec.engine.drafters import NGramDrafter, NoDrafter, RandomDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine
-from sglang_hspec.engine.policies import AutoEngineAdapter, make_policy
+from sglang_hspec.engine.policies import AutoVerifyPolicy, make_policy
 from sglang_hspec.model import HSpecConfig, build_drafter
 from sglang_hspec.target.adapter import TargetAdapter
 from sglang_hspec.target.geometry import TargetGeometry
@@ -178,16 +178,16 @@ def prefix_pvalues(results, law):
     return out
 
 
-class SkipBadLookingDrafts(AutoEngineAdapter):
+class SkipBadLookingDrafts(AutoVerifyPolicy):
     """The wrong switch: no verify for a row whose first drafted token is 0 (it reads this step's drafts)."""
 
     def __init__(self, planner, *, block_size, drafter):
         super().__init__(planner, block_size=block_size)
         self.drafter = drafter
 
-    def __call__(self, **kw):
-        lengths = super().__call__(**kw)
-        return torch.where(self.drafter.last_tokens[:, 0] == 0, torch.zeros_like(lengths), lengths)
+    def plan(self, **kw):
+        verify_lengths = super().plan(**kw)
+        return torch.where(self.drafter.last_tokens[:, 0] == 0, torch.zeros_like(verify_lengths), verify_lengths)
 
 
 def run_auto(target, *, wrong: bool):
@@ -202,7 +202,7 @@ def run_auto(target, *, wrong: bool):
     drafter.propose = remembering
     planner = AutoPolicy(BIG, lag=1, probe_rows=SAMPLES // 2)
     policy = (SkipBadLookingDrafts(planner, block_size=BLOCK, drafter=drafter) if wrong
-              else AutoEngineAdapter(planner, block_size=BLOCK))
+              else AutoVerifyPolicy(planner, block_size=BLOCK))
     engine = SpeculativeEngine(TargetAdapter(target), drafter, policy=policy, eos_token_ids=[])
     return engine.generate([PROMPT] * SAMPLES, T1)
 
@@ -243,7 +243,7 @@ def test_drafter_with_its_own_kv_cache_sees_every_position_when_rows_skip_drafti
     greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
     plain = [r.output_ids for r in SpeculativeEngine(adapter, NoDrafter(), eos_token_ids=[]).generate(prompts, greedy)]
     planner = AutoPolicy(TABLE, lag=2, probe_rows=1, probe_interval=4)
-    res = SpeculativeEngine(adapter, drafter, policy=AutoEngineAdapter(planner, block_size=BLOCK),
+    res = SpeculativeEngine(adapter, drafter, policy=AutoVerifyPolicy(planner, block_size=BLOCK),
                             eos_token_ids=[]).generate(prompts, greedy)
     assert [r.output_ids for r in res] == plain
     # the cold probe drafted row 0 only; the others' first step verified the anchor alone

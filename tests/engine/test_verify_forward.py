@@ -35,7 +35,7 @@ class CountingAdapter:
         return self.adapter.extend(tokens, **kw)
 
 
-@pytest.mark.parametrize(("rows", "verify_len", "forward_tokens"), [
+@pytest.mark.parametrize(("rows", "verify_lengths", "forward_tokens"), [
     # 2 of 6 rows draft: padding 4 x 3 = 12 >= 6 tokens -> split (6 anchors, 2 x 3)
     ([0, 1, 2, 3, 4, 5], [0, 3, 0, 0, 1, 0], [6, 6]),
     ([0, 1, 2, 3, 4, 5], [3, 3, 2, 3, 1, 3], [24]),  # every row drafts: one padded forward, 6 x 4
@@ -44,23 +44,23 @@ class CountingAdapter:
     # active rows 1, 3, 4, 5 of 6 (finished requests leave gaps): rows index the cache, positions the block
     ([1, 3, 4, 5], [0, 0, 3, 0], [4, 3]),
 ])
-def test_split_verify_matches_the_padded_forward(rows, verify_len, forward_tokens):
+def test_split_verify_matches_the_padded_forward(rows, verify_lengths, forward_tokens):
     model = tiny_target("qwen3", vocab_size=48, num_layers=4)
     padded, split = prefilled(model), prefilled(model)
-    rows, verify_len = torch.tensor(rows), torch.tensor(verify_len)
-    lmax = int(verify_len.max())
-    block = torch.randint(0, 48, (len(rows), 1 + lmax), generator=torch.Generator().manual_seed(0))
-    want = padded.extend(block, num_tokens=1 + verify_len, rows=rows, hidden_layer_ids=HIDDEN)
+    rows, verify_lengths = torch.tensor(rows), torch.tensor(verify_lengths)
+    longest = int(verify_lengths.max())
+    block = torch.randint(0, 48, (len(rows), 1 + longest), generator=torch.Generator().manual_seed(0))
+    want = padded.extend(block, num_tokens=1 + verify_lengths, rows=rows, hidden_layer_ids=HIDDEN)
     counting = CountingAdapter(split)
-    got = verify_forward(counting, block, verify_len=verify_len, rows=rows, hidden_layer_ids=HIDDEN)
+    got = verify_forward(counting, block, verify_lengths=verify_lengths, rows=rows, hidden_layer_ids=HIDDEN)
     assert counting.tokens == forward_tokens
     assert got.logits.shape == want.logits.shape and got.hidden.shape == want.hidden.shape
-    for b, vl in enumerate(verify_len.tolist()):
+    for b, vl in enumerate(verify_lengths.tolist()):
         torch.testing.assert_close(got.logits[b, : 1 + vl], want.logits[b, : 1 + vl], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.hidden[b, : 1 + vl], want.hidden[b, : 1 + vl], atol=1e-5, rtol=1e-5)
     assert torch.equal(split.lengths, padded.lengths)
     expected = torch.tensor([len(p) for p in PROMPTS])
-    expected[rows] += 1 + verify_len
+    expected[rows] += 1 + verify_lengths
     assert torch.equal(split.lengths, expected)
     for lid in range(4):
         for b, n in enumerate(split.lengths.tolist()):

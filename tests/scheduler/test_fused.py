@@ -1,14 +1,16 @@
-"""AutoPolicy's compiled passes (scheduler/fused.py) against the plain-Python references of switch.py
-and planner.py: a hand-computed decision, random cases with ties, unknown rows, the prior, min_survival
-and capacity, the matured-snapshot write, and the validation of confidences."""
+"""AutoPolicy's compiled passes (scheduler/fused.py): hand-computed cases, and one randomized property
+test that holds each pass to the torch function stating its rule (switch.estimated_survival,
+switch.best_speculation / decide_speculation, switch.audit_counts, planner.topk_lengths), to the bit,
+over random inputs with ties, unknown rows, the prior, min_survival, capacity and the floors."""
 
 import math
 import random
 
 import numpy as np
 import pytest
+import torch
 from sglang_hspec.scheduler import fused, planner, switch
-from sglang_hspec.scheduler.sps import SpsCostTable
+from sglang_hspec.scheduler.sps import SpsAdditiveCostTable, SpsCostTable
 
 
 def cost_table(verify, plain, draft, *, max_batch_tokens=None) -> SpsCostTable:
@@ -20,12 +22,13 @@ def cost_table(verify, plain, draft, *, max_batch_tokens=None) -> SpsCostTable:
 
 
 def run_decide(costs, conf, gen, slots, gens, ratios, prior, min_survival=0.0):
-    n, k = len(slots), conf.shape[0]
-    verify = costs.verify_seconds_upto(end=n * (k + 1) + 1, num_reqs=n)
+    n, block_size = len(slots), conf.shape[0]
+    verify = costs.verify_seconds_upto(end=n * (block_size + 1) + 1, num_reqs=n)
     return fused.best_speculation(conf, gen, np.asarray(slots, dtype=np.int64), np.asarray(gens, dtype=np.int64),
-                             np.asarray(ratios, dtype=np.float64),
-                             np.asarray(prior if prior is not None else ratios, dtype=np.float64),
-                             prior is not None, verify, costs.draft_seconds(n), min_survival, np.empty(n * k + 1))
+                                  np.asarray(ratios, dtype=np.float64),
+                                  np.asarray(prior if prior is not None else ratios, dtype=np.float64),
+                                  prior is not None, verify, costs.draft_seconds(n), min_survival,
+                                  np.empty(n * block_size + 1))
 
 
 def test_best_speculation_hand_computed():
@@ -41,61 +44,6 @@ def test_best_speculation_hand_computed():
     # ... with a prior of [0.5, 0.4, 0.5] it decides as if the request were known
     got = run_decide(costs, conf, np.array([3]), [0], [4], [1.0] * 3, [0.5, 0.4, 0.5])
     assert got[:3] == (0, 1, 1) and got[3] == pytest.approx(1.5 / 0.145, rel=1e-12)
-
-
-def test_best_speculation_matches_reference():
-    rng = random.Random(0)
-    for case in range(400):
-        n, k, slots_total = rng.randint(1, 9), rng.randint(1, 6), rng.randint(9, 14)
-        verify = sorted((rng.uniform(1, 100) for _ in range(rng.randint(2, 40))), reverse=rng.random() < 0.8)
-        plain = [rng.uniform(1, 120) for _ in range(rng.randint(1, 10))]
-        draft = [rng.choice([0.0, rng.uniform(0, 0.05)]) for _ in plain]
-        costs = switch.StepCosts(cost_table(verify, plain, draft, max_batch_tokens=len(verify) + rng.choice([0, 5, 50])))
-        pool = [0.0, 1.0, 0.5, 1e-9]
-        conf = np.array([[rng.choice(pool + [rng.random()]) for _ in range(slots_total)] for _ in range(k)])
-        gen = np.array([rng.randint(0, 2) for _ in range(slots_total)])
-        slots = rng.sample(range(slots_total), n)
-        gens = [rng.randint(0, 2) for _ in range(n)]
-        ratios = [rng.choice([1.0, rng.uniform(0, 2)]) for _ in range(k)]
-        prior = [rng.random() for _ in range(k)] if rng.random() < 0.3 else None
-        eps = rng.choice([0.0, 1e-6])
-        known = [int(gen[s]) == g for s, g in zip(slots, gens)]
-        if not any(known) and prior is not None:
-            survival = switch.estimated_survival_reference(confidences=[prior] * n, known=[True] * n, ratios=ratios)
-            known_rows = n
-        else:
-            survival = switch.estimated_survival_reference(confidences=[conf[:, s].tolist() for s in slots],
-                                                           known=known, ratios=ratios)
-            known_rows = sum(known)
-        want = switch.decide_speculation_reference(
-            survival=survival, sps=costs.scalar_fn(), plain_steps_per_sec=costs.plain_steps_per_sec(n),
-            draft_seconds=costs.draft_seconds(n), known_rows=known_rows, steps_since_draft=0, probe_interval=1,
-            min_survival=eps)
-        num_known, rows, best_n, best_rate = run_decide(costs, conf, gen, slots, gens, ratios, prior, eps)
-        assert (num_known, rows) == (sum(known), known_rows), case
-        assert best_n == want.best_budget, case
-        assert best_rate == pytest.approx(want.spec_tokens_per_sec, rel=1e-12, abs=0.0), case
-
-
-def test_plan_pass_matches_reference_with_ties():
-    rng = random.Random(1)
-    for case in range(400):
-        b, k = rng.randint(1, 8), rng.randint(1, 6)
-        pool = [0.0, 0.5, 0.5, 1.0, rng.random()]
-        conf = [[rng.choice(pool) for _ in range(k)] for _ in range(b)]
-        ratios = [rng.choice([1.0, 1.0, rng.uniform(0.2, 2)]) for _ in range(k)]
-        budget = rng.randint(-1, b * k + 2)
-        for dtype in (np.float64, np.float32):
-            c = np.array(conf, dtype=dtype)
-            corrected = [[min(x * r, 1.0) for x, r in zip(row, ratios)] for row in c.astype(np.float64).tolist()]
-            want = planner.topk_lengths_reference(survival=planner.survivals_reference(confidences=corrected),
-                                                  budget=budget)
-            conf_out, lengths = np.full((k, b), -1.0), np.full(b, -1, dtype=np.int64)
-            slots, drafted = np.arange(b, dtype=np.int64)[::-1].copy(), np.full(b + 2, -5, dtype=np.int64)
-            total = fused.plan_pass(c, np.array(ratios), budget, conf_out, lengths, slots, drafted, 11)
-            assert lengths.tolist() == want and total == sum(want), case
-            np.testing.assert_array_equal(conf_out, c.T.astype(np.float64))
-            assert drafted.tolist() == [11] * b + [-5, -5]
 
 
 @pytest.mark.parametrize("bad", [math.nan, 1.5, -0.1])
@@ -140,18 +88,93 @@ def test_fold_audit_unseen_slots_inherit_the_last_seen_slots_correction():
     rho0 = 3 / 21
     assert ratios.tolist() == pytest.approx([rho0, rho0 / 3, rho0 / 3, rho0 / 3], abs=1e-15)
     # the survivals the switch reads from them (confidence 1 everywhere) fall geometrically with the slot
-    survival = switch.estimated_survival_numpy(confidences=np.ones((1, 4)), known=np.array([True]), ratios=ratios)
+    survival = switch.estimated_survival(confidences=torch.ones(1, 4), known=torch.tensor([True]),
+                                         ratios=torch.from_numpy(ratios))
     assert survival[0].tolist() == pytest.approx([rho0, rho0**2 / 3, rho0**3 / 9, rho0**4 / 27], rel=1e-12)
 
 
-def test_audit_pass_matches_reference():
-    rng = random.Random(2)
-    for _ in range(200):
-        b, k = rng.randint(1, 8), rng.randint(1, 6)
-        conf = [[rng.random() for _ in range(k)] for _ in range(b)]
-        verify = [rng.randint(0, k) for _ in range(b)]
+def random_costs(rng: random.Random, *, block_size: int) -> switch.StepCosts:
+    if rng.random() < 0.2:  # SGLang's additive layout: no plain or drafter columns
+        table = SpsAdditiveCostTable(bias_seconds=rng.uniform(0.005, 0.02), bs_probes=[1, 16],
+                                     alpha_seconds=[0.0, rng.uniform(0, 0.01)], m_probes=[1, 128],
+                                     theta_seconds=[0.0, rng.uniform(0, 0.05)])
+    else:
+        verify = sorted((rng.uniform(1, 100) for _ in range(rng.randint(2, 40))), reverse=rng.random() < 0.8)
+        plain = [rng.uniform(1, 120) for _ in range(rng.randint(1, 10))]
+        draft = [rng.choice([0.0, rng.uniform(0, 0.05)]) for _ in plain]
+        table = cost_table(verify, plain, draft, max_batch_tokens=len(verify) + rng.choice([0, 5, 50]))
+    return switch.StepCosts(table, block_size=rng.choice([None, None, 0, block_size]),
+                            draft_seconds=rng.choice([None, None, 0.0, 0.01]))
+
+
+def test_compiled_passes_are_twins_of_the_torch_rules():
+    """One property, 600 seeded random cases: every compiled pass computes exactly (==, not approx) what
+    the torch function that states its rule computes, and the estimates are survivals."""
+    rng = random.Random(0)
+    pool = [0.0, 1.0, 0.5, 0.25, 1e-9]  # exact ties and zeros, besides random values
+    for case in range(600):
+        block_size, n, slots_total = rng.randint(1, 6), rng.randint(0, 9), rng.randint(9, 14)
+        costs = random_costs(rng, block_size=block_size)
+        conf = np.array([[rng.choice(pool + [rng.random()]) for _ in range(slots_total)] for _ in range(block_size)])
+        gen = np.array([rng.randint(0, 2) for _ in range(slots_total)], dtype=np.int64)
+        slots = np.array(rng.sample(range(slots_total), n), dtype=np.int64)
+        gens = np.array([rng.randint(0, 2) for _ in range(n)], dtype=np.int64)
+        ratios = np.array([rng.choice([1.0, rng.uniform(0, 2)]) for _ in range(block_size)])
+        prior = np.array([rng.random() for _ in range(block_size)]) if rng.random() < 0.3 else None
+        eps = rng.choice([0.0, 1e-6])
+
+        # the stale estimates and the rate argmax (AutoPolicy.decide) against estimated_survival + best_speculation
+        known = torch.from_numpy(gen[slots] == gens)
+        num_known = int(known.sum())
+        from_prior = num_known == 0 and prior is not None
+        survival = switch.estimated_survival(
+            confidences=torch.from_numpy(conf[:, slots].T.copy()), known=known, ratios=torch.from_numpy(ratios),
+            prior=None if prior is None else torch.from_numpy(prior))
+        assert survival.dtype == torch.float64 and tuple(survival.shape) == (n, block_size), case
+        assert bool(((survival >= 0) & (survival <= 1)).all()), case
+        assert bool((survival[:, 1:] <= survival[:, :-1]).all()), case  # a survival never rises along the block
+        known_rows = n if from_prior else num_known
+        want = (0, 0.0) if known_rows == 0 or n == 0 else switch.best_speculation(
+            survival=survival, costs=costs, min_survival=eps)
+        scratch = np.empty(n * block_size + 1)
+        got = run_decide(costs, conf, gen, slots, gens, ratios, prior, eps)
+        assert got == (num_known, known_rows if n else 0, *want), case
+        count = fused.survival_pass(conf, gen, slots, gens, ratios, ratios if prior is None else prior,
+                                    prior is not None, eps, scratch)[2]
+        admitted = survival.reshape(-1)[survival.reshape(-1) >= eps] if known_rows else survival.new_zeros(0)
+        assert sorted(scratch[:count].tolist()) == sorted(admitted.tolist()), case
+        # ... and the public rule decides what AutoPolicy decides from the compiled argmax
+        if n:
+            kw = dict(steps_since_draft=rng.randint(0, 40), probe_interval=rng.randint(1, 32),
+                      probe_rows=rng.randint(1, 5), margin=rng.choice([0.0, 0.05]))
+            plain_rate = n * costs.plain_steps_per_sec(n)
+            assert switch.decide_speculation(survival=survival, costs=costs, known_rows=known_rows, min_survival=eps,
+                                             **kw) == switch.decision_from_best(
+                num_reqs=n, best_n=got[2], best_rate=got[3], plain_rate=plain_rate, **kw), case
+
+        # this step's verify lengths (AutoPolicy.plan) against topk_lengths over every row's estimate
+        rows = rng.randint(0, 8)
+        step_conf = np.array([[rng.choice(pool + [rng.random()]) for _ in range(block_size)] for _ in range(rows)],
+                             dtype=rng.choice([np.float64, np.float32])).reshape(rows, block_size)
+        budget = rng.randint(-1, rows * block_size + 2)
+        conf_out, verify_lengths = np.full((block_size, rows), -1.0), np.full(rows, -1, dtype=np.int64)
+        drafted = np.full(rows + 2, -5, dtype=np.int64)
+        total = fused.plan_pass(step_conf, ratios, budget, conf_out, verify_lengths,
+                                np.arange(rows, dtype=np.int64)[::-1].copy(), drafted, 11)
+        current = switch.estimated_survival(confidences=torch.from_numpy(step_conf),
+                                            known=torch.ones(rows, dtype=torch.bool), ratios=torch.from_numpy(ratios))
+        want_lengths = planner.topk_lengths(survival=current, budget=budget).tolist()
+        assert verify_lengths.tolist() == want_lengths and total == sum(want_lengths), case
+        np.testing.assert_array_equal(conf_out, step_conf.T.astype(np.float64))
+        assert drafted.tolist() == [11] * rows + [-5, -5], case
+
+        # the audit of the verified step (AutoPolicy.observe) against audit_counts
+        verify = [rng.randint(0, block_size) for _ in range(rows)]
         accepted_n = [rng.randint(0, v) for v in verify]
-        want = switch.audit_counts_reference(confidences=conf, verify_lengths=verify, num_accepted=accepted_n)
-        accepted, predicted = np.full(k, 9.0), np.full(k, 9.0)
-        fused.audit_pass(np.array(conf).T.copy(), np.array(verify), np.array(accepted_n), accepted, predicted)
-        assert accepted.tolist() == want[0] and predicted.tolist() == want[1]
+        accepted, predicted = np.full(block_size, 9.0), np.full(block_size, 9.0)
+        fused.audit_pass(conf_out, np.array(verify, dtype=np.int64), np.array(accepted_n, dtype=np.int64), accepted,
+                         predicted)
+        want_acc, want_pred = switch.audit_counts(confidences=torch.from_numpy(step_conf),
+                                                  verify_lengths=torch.tensor(verify, dtype=torch.long),
+                                                  num_accepted=torch.tensor(accepted_n, dtype=torch.long))
+        assert accepted.tolist() == want_acc.tolist() and predicted.tolist() == want_pred.tolist(), case

@@ -79,7 +79,7 @@ def test_empty_batch():
 def test_bad_confidences_are_rejected():
     with pytest.raises(ValueError, match="calibrated probabilities"):
         planner.exact_lengths(confidences=torch.tensor([[0.5, 1.5]]), sps=table([1.0, 2.0]))
-    with pytest.raises(ValueError, match=r"\[B, k\]"):
+    with pytest.raises(ValueError, match=r"\[B, block_size\]"):
         planner.exact_lengths(confidences=torch.tensor([0.5]), sps=table([1.0, 2.0]))
 
 

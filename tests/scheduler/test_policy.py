@@ -95,7 +95,7 @@ def test_bad_ids_are_rejected():
     p = StalePolicy(JAGGED)
     with pytest.raises(ValueError, match="slot_ids must be a"):
         p.plan(confidences=torch.ones(2, 3), slot_ids=torch.tensor([0]), generations=torch.tensor([0, 0]))
-    with pytest.raises(ValueError, match="k=3"):
+    with pytest.raises(ValueError, match="block_size=3"):
         call(p, HIGH, [0], [0])
         call(p, [[0.5, 0.5]], [0], [0])
 

@@ -11,7 +11,7 @@ FLAT = SpsCostTable(sample_batch_tokens=[1, 2], sample_steps_per_sec=[50.0, 50.0
 def run(policy, *, threshold=0.3, **kw):
     cfg = SimConfig(**kw)
     return simulate(config=cfg, sps_table=FLAT,
-                    policy=make_policy(policy, k=cfg.k, sps_table=FLAT, threshold=threshold))
+                    policy=make_policy(policy, block_size=cfg.block_size, sps_table=FLAT, threshold=threshold))
 
 
 def test_fixed_policy_matches_analytic_acceptance():
@@ -40,7 +40,7 @@ def test_same_seed_same_result_and_chat_accepts_less():
 def test_stale_beats_verify_all_at_high_load_on_jagged_curve():
     table = synthetic_sps_table()
     res = {p: simulate(config=SimConfig(concurrency=256, steps=120), sps_table=table,
-                       policy=make_policy(p, k=7, sps_table=table)) for p in ("fixed", "stale")}
+                       policy=make_policy(p, block_size=7, sps_table=table)) for p in ("fixed", "stale")}
     assert res["stale"].throughput > 1.05 * res["fixed"].throughput
     assert res["stale"].wasted_fraction < res["fixed"].wasted_fraction
 
@@ -48,16 +48,16 @@ def test_stale_beats_verify_all_at_high_load_on_jagged_curve():
 def test_poisson_open_loop_serves_the_offered_load():
     # 2 req/s x 128 tokens mean = 256 tok/s offered, far below capacity: served throughput follows it
     r = simulate(config=SimConfig(arrival_rate=2.0, steps=3000, seed=3), sps_table=FLAT,
-                 policy=make_policy("stale", k=7, sps_table=FLAT))
+                 policy=make_policy("stale", block_size=7, sps_table=FLAT))
     assert r.finished > 20
     assert 200 < r.throughput < 320  # measured 256.5 with this seed
 
 
 def test_bad_config_is_rejected():
-    with pytest.raises(ValueError, match="k must be"):
-        SimConfig(k=9)
+    with pytest.raises(ValueError, match="block_size must be"):
+        SimConfig(block_size=9)
     with pytest.raises(ValueError, match="unknown policy"):
-        make_policy("greedy", k=7, sps_table=FLAT)
+        make_policy("greedy", block_size=7, sps_table=FLAT)
 
 
 def test_cli_writes_table_json_png(tmp_path):
