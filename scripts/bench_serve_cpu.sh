@@ -42,7 +42,7 @@ cpu_env=(SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_cpu/shim:tests/sglang_c
 profile_env=()
 [ -n "${PROFILE_BATCH_SIZES:-}" ] && profile_env=(HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES="$PROFILE_BATCH_SIZES")
 mkdir -p "$out"
-# the machine beside every result (the CPU differs between sessions): printed and kept with the results
+# the machine beside every result (the CPU differs between machines): printed and kept with the results
 .venv/bin/python -c "from sglang_hspec.target.dtypes import describe_machine as d; print('machine:', d(), '| servers $dtype')" \
   | tee "$out/machine.txt"
 pids=()

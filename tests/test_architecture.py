@@ -1,7 +1,8 @@
 """The structure docs/architecture.md promises, checked from the source text (nothing is imported):
 imports run one way (assets < target < core/kernels < model < engine < training/sglang_plugin/client
 < cli), scheduler/ and calibration/ import no other part of the package and never SGLang, no import
-cycles between modules, and no reference to documents outside the repository."""
+cycles between modules, and no text outside the product in any tracked file (documents or paths outside the
+repository, the vocabulary of the lab that built it)."""
 
 from __future__ import annotations
 
@@ -158,26 +159,175 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
-# documents that live outside this repository (the authors' reading, not the users')
-_OUTSIDE = re.compile("|".join([r"shared/(?:reference|seeds)", r"\.\./" + "shared",
-                                r"(?:sglang-integration|sglang-cpu-e2e|offline-assets|anchors|mamba2)\.md"]))
-_SCOPES = ["sglang_hspec", "scheduler", "calibration", "docs", "scripts", "tests", "configs", "README.md",
-           "Makefile", "pyproject.toml"]
+# Text that does not belong in the product, in any tracked text file: documents, machines and folders outside
+# this repository, and the vocabulary of the lab that built it (work periods, lab notes, issue numbers). Each
+# rule: (name, pattern, what to write instead). Written with string joins so this file does not match itself.
+_FORBIDDEN = [
+    ("a document outside the repo", re.compile("|".join([r"shared/(?:reference|seeds)", r"\.\./" + "shared",
+     r"(?:sglang-integration|sglang-cpu-e2e|offline-assets|anchors|mamba2)\.md"])),
+     "cite a file of this repository (docs/architecture.md)"),
+    ("a work period", re.compile(r"\b" + "sess" + r"ions?\s+\d+|\b(?:same|next|later|earlier|previous|between|"
+                                 r"last)\s+" + "sess" + r"ions?\b|\bthis\s+" + "sess" + r"ion's", re.I),
+     "say what was measured, on which machine and date"),
+    ("a work-period name as a path part", re.compile(r"(?<=[/_])s\d{2}\b|(?<![\w.-])s\d{2}/"),
+     "name results by topic, date and machine (docs/results/<topic>/<date>_<machine>/)"),
+    ("lab notes", re.compile(r"\bruns/" + "notes" + r"\b|(?<![\w.-])" + "notes" + r"/"),
+     "put what users need in docs/"),
+    ("an issue of the tracker", re.compile(r"\b" + "iss" + r"ues?\s+#?\d+|\bthe\s+" + "iss" + r"ue(?:'s)?\b", re.I),
+     "state the requirement itself"),
+    ("an absolute path of a build machine", re.compile(r"(?<![\w.~-])/(?:work|root|home|mnt|Users)/"),
+     "a path relative to the repository root, or $HSPEC_CACHE_DIR"),
+    ("a scratch path that is not an example", re.compile(r"(?<!--out )(?<![\"'=\w.~-])/tmp/"),
+     "tmp_path in tests, --out in examples"),
+]
+# Artifacts under docs/results/ record the machine that wrote them (a server's model path, a temp folder): data,
+# not text of the product, so only the vocabulary rules apply there.
+_RECORDED = ("a work period", "a work-period name as a path part", "lab notes", "an issue of the tracker",
+             "a document outside the repo")
+_BINARY_SUFFIXES = (".png", ".safetensors", ".gguf", ".pt", ".bin", ".whl", ".gz", ".zip")
 
 
-def test_no_reference_to_documents_outside_the_repo():
+def _tracked_text_files() -> list[Path]:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: no tracked files to scan")
+    files = []
+    for name in out.decode().split("\0"):
+        path = ROOT / name
+        if not name or name.endswith(_BINARY_SUFFIXES) or not path.is_file():
+            continue
+        files.append(path)
+    return files
+
+
+def forbidden_lines(path: Path, text: str) -> list[str]:
+    """Every line of `text` (the file `path`, relative to the repo) that breaks a rule of _FORBIDDEN."""
+    rel = path.relative_to(ROOT).as_posix() if path.is_absolute() else path.as_posix()
+    recorded = rel.startswith("docs/results/") and not rel.endswith(".md")
     hits = []
-    for scope in _SCOPES:
-        base = ROOT / scope
-        files = [base] if base.is_file() else [p for p in base.rglob("*") if p.is_file()]
-        for path in files:
-            if path.suffix not in (".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".txt", ".json", "") or \
-                    path == Path(__file__).resolve() or "__pycache__" in path.parts:
+    for i, line in enumerate(text.splitlines(), 1):
+        for name, pattern, fix in _FORBIDDEN:
+            if recorded and name not in _RECORDED:
                 continue
-            for i, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):
-                if _OUTSIDE.search(line):
-                    hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
-    assert not hits, "references to documents outside the repo (cite docs/architecture.md instead):\n" + "\n".join(hits)
+            if pattern.search(line):
+                hits.append(f"{rel}:{i}: {name} ({fix}): {line.strip()[:100]}")
+    return hits
+
+
+def test_tracked_text_speaks_of_the_product_only():
+    hits = []
+    for path in _tracked_text_files():
+        if path == Path(__file__).resolve():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue
+        hits += forbidden_lines(path, data.decode("utf-8", errors="ignore"))
+    assert not hits, "text that does not belong in the product:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("line, rule", [
+    ("measured in " + "sess" + "ion 33 on the Xeon", "a work period"),
+    ("the same run, next " + "sess" + "ion", "a work period"),
+    ("nothing else ran but this " + "sess" + "ion's tests", "a work period"),
+    ("see docs/results/amx_" + "s32/demo.txt", "a work-period name as a path part"),
+    ("rerun runs/" + "s21/bench.sh", "a work-period name as a path part"),
+    ("Reading: `../" + "shared/seeds/`", "a document outside the repo"),
+    ("runs/" + "notes/i12.md", "lab notes"),
+    ("as " + "iss" + "ue 12 asks", "an issue of the tracker"),
+    ("cd /" + "work/main && make", "an absolute path of a build machine"),
+    ("cat /" + "tmp/w/rules.md", "a scratch path that is not an example"),
+])
+def test_scan_catches_each_rule(line, rule):
+    hits = forbidden_lines(Path("docs/example.md"), line)
+    assert len(hits) == 1 and f": {rule} (" in hits[0], hits
+
+
+@pytest.mark.parametrize("line", [
+    '@pytest.fixture(scope="' + "sess" + 'ion")',
+    "targets patched earlier in this " + "sess" + "ion are skipped",  # pytest's session, not a work period
+    "docs/results/drafter/2026-12-06_xeon-amx_whole-set/heldout80.json",
+    "python scripts/profile_sglang_step.py --out /" + "tmp/prof",
+    'default=os.environ.get("OUT", "/' + 'tmp/gpu_check_out")',
+    "hspec eval ... --record-confidence runs/conf",
+    "an SSM with 16 heads, s16 blocks",  # not a path part
+])
+def test_scan_leaves_product_text_alone(line):
+    assert forbidden_lines(Path("docs/example.md"), line) == []
+
+
+def test_recorded_artifacts_keep_their_machine_paths():
+    line = '"model_path": "/' + 'root/.cache/sglang-hspec/smollm2-135m-instruct"'
+    assert forbidden_lines(Path("docs/results/serving/x/bench_serve.json"), line) == []
+    assert forbidden_lines(Path("docs/serving.md"), line)
+    assert forbidden_lines(Path("docs/results/x/run.json"), '"drafter_spec": "runs/' + 's30/export"')
+
+
+def test_cited_results_exist():
+    """Every docs/results/ path that the product's text cites exists, and every `docs/results.md, "Section"`
+    names a heading of that page (results move by topic and date; their citations must move with them)."""
+    headings = [line[3:] for line in (ROOT / "docs/results.md").read_text().splitlines() if line.startswith("## ")]
+    path_re = re.compile(r"docs/results/[\w./-]+")
+    section_re = re.compile(r"results\.md[`,:\s]*\(?\s*[\"'](\w[^\"']{2,80})[\"']")
+    missing = []
+    for path in _tracked_text_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("docs/results/") or path == Path(__file__).resolve() or path.suffix not in (
+                ".md", ".py", ".sh", ".yaml", ".toml", ".txt", ""):
+            continue
+        text = path.read_text(errors="ignore")
+        for m in path_re.finditer(text):
+            cited = m.group(0).rstrip(".")
+            if not (ROOT / cited).exists() and not (ROOT / cited).parent.is_dir() and "<" not in cited:
+                missing.append(f"{rel}: {cited}")
+        for m in section_re.finditer(text):
+            section = " ".join(m.group(1).split())
+            if not any(h.startswith(section) for h in headings):
+                missing.append(f"{rel}: docs/results.md has no section {section!r}")
+    assert not missing, "citations of results that do not exist:\n" + "\n".join(missing)
+
+
+# A drafter checkpoint is committed only as a release, at most one per month of work (CONTRIBUTING.md): every
+# version stays in the history for good, since main is never rewritten. Versions before the policy (nine of them,
+# docs/history.md) are grandfathered; the first one after it must still come a month after the last one before.
+_RELEASE_POLICY_START = 1796601600  # 2026-12-07 00:00 UTC
+_MIN_RELEASE_GAP_S = 28 * 24 * 3600
+
+
+def release_gaps_too_short(times: list[int], *, start: int = _RELEASE_POLICY_START,
+                           min_gap: int = _MIN_RELEASE_GAP_S) -> list[tuple[int, int]]:
+    """Pairs of consecutive checkpoint commits (commit times) under the policy that are less than min_gap apart."""
+    times = sorted(times)
+    before = [t for t in times if t < start]
+    after = [t for t in times if t >= start]
+    chain = before[-1:] + after
+    return [(a, b) for a, b in zip(chain, chain[1:]) if b - a < min_gap]
+
+
+def test_release_gap_rule_by_hand():
+    day = 24 * 3600
+    start = 100 * day
+    assert release_gaps_too_short([10 * day, 20 * day], start=start) == []  # grandfathered
+    assert release_gaps_too_short([90 * day, 130 * day], start=start) == []
+    assert release_gaps_too_short([90 * day, 110 * day], start=start) == [(90 * day, 110 * day)]
+    assert release_gaps_too_short([50 * day, 130 * day, 140 * day], start=start) == [(130 * day, 140 * day)]
+
+
+def test_drafter_checkpoints_are_released_at_most_monthly():
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "log", "--format=%ct", "--", "sglang_hspec/checkpoints/*/model.safetensors"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    times = [int(t) for t in out.split()]
+    assert not release_gaps_too_short(times), (
+        "drafter checkpoints committed less than 28 days apart: commit a new drafter only as a release, at most "
+        "one per month (CONTRIBUTING.md, 'Release a drafter'); keep experiments in runs/ (git-ignored)")
 
 
 def test_no_test_package_shadows_an_installed_distribution():

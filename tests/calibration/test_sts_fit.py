@@ -50,7 +50,7 @@ def test_log_loss_objective_hand_computed():
         log_survival_before=log_before,
         slot_logits=logits,
         labels=np.array([1.0, 0.0]),
-        temperatures=np.array([1.0, 2.0]),
+        candidates=np.array([1.0, 2.0]),
     )
     # T = 1: accepted row -log(0.75) (its -log 0.5 prefix does not depend on T), rejected row -log(1 - 0.5)
     # T = 2: sigmoid(ln 3 / 2) = sqrt 3 / (1 + sqrt 3); the rejected row still has sigmoid(0) = 0.5
@@ -82,7 +82,7 @@ def test_refinement_finds_temperatures_between_grid_points():
 
 
 def test_grid_method_reproduces_sglangs_grid_fit():
-    # the case: 20,000 records, 7 slots, true T = 2.5
+    # the reference case: 20,000 records, 7 slots, true T = 2.5
     records = overconfident_records(n=20_000, block_size=7, temperature=2.5, seed=0)
     grid = default_temperature_grid()
     ours, _, _ = fit_sts(confidence_logits=records.logits, prefix_mask=records.prefix_mask, method="grid")

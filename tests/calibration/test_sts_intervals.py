@@ -15,8 +15,8 @@ from sglang_hspec.calibration.synthetic import overconfident_records
 
 @pytest.fixture(scope="module")
 def issue_records():
-    # the issue's data: 20,000 records, 7 slots, over-confident by exactly T = 2.5; with seed 249 SGLang's
-    # grid fit gives the issue's [2.51, 2.51, 2.24, 2.51, 2.82, 2.24, 2.51]
+    # the reference data: 20,000 records, 7 slots, over-confident by exactly T = 2.5; with seed 249 SGLang's
+    # grid fit gives the reference's [2.51, 2.51, 2.24, 2.51, 2.82, 2.24, 2.51]
     return overconfident_records(n=20_000, block_size=7, temperature=2.5, seed=249)
 
 
@@ -35,7 +35,7 @@ def test_issue_case_grid_is_a_step_off_and_the_default_fit_is_not(issue_records)
 
 
 def test_intervals_cover_the_true_temperature_and_are_informative():
-    """One data set of the issue's size (seed 0, the default everywhere here). For exact 95 % intervals all 7
+    """One data set of the reference's size (seed 0, the default everywhere here). For exact 95 % intervals all 7
     cover with probability ~0.7 (on the seed-249 data above slot 0's misses); the coverage rate itself is
     tested over 84 intervals below."""
     records = overconfident_records(n=20_000, block_size=7, temperature=2.5, seed=0)
