@@ -42,7 +42,7 @@ from sglang_hspec.target.dtypes import describe_machine as cpu_description  # no
 
 DRAFTER = REPO / "sglang_hspec" / "checkpoints" / "hspec-smollm2"
 STS = REPO / "docs" / "results" / "calibration" / "sts_hspec_smollm2.json"
-SPS = REPO / "docs" / "results" / "serve_cpu" / "sps_auto_profiled.json"
+SPS = REPO / "docs" / "results" / "serving" / "2026-12-05_epyc-zen5_fp32" / "sps_auto_profiled.json"
 SERVERS = ("none", "static", "compact", "never", "auto")
 # (segment, label, ours?) in the order of the table; shares of step + loop
 SEGMENTS = (
