@@ -391,13 +391,13 @@ def build_trees(drafter, ctx: DraftContext, sampling: SamplingParams, generator:
                 confidence_transform: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid) -> list[DraftTree]:
     """One drafter forward over the context's rows, one tree per row (row b at most max_depths[b] deep)."""
     core = tree_drafter_core(drafter)
-    k = core.block_size
-    conf = slot_confidence(confidence_transform, k)
+    block_size = core.block_size
+    conf = slot_confidence(confidence_transform, block_size)
     top = spec.max_children + 1
     if all(hasattr(core, name) for name in ("backbone", "head_outputs", "propose_contexts", "d2t")):
         source = _HSpecSource(core, ctx, confidence=conf, top=top)
     else:
-        source = _BlockSource(core.propose(ctx, sampling, generator), confidence=conf, top=top, block_size=k)
+        source = _BlockSource(core.propose(ctx, sampling, generator), confidence=conf, top=top, block_size=block_size)
     lookup = lookup_of(drafter) if spec.lookup else None
     anchors = ctx.anchor_tokens.tolist()
     trees = []
@@ -485,8 +485,9 @@ def generate_tree(adapter: TargetAdapter, drafter, prompts: Sequence[Sequence[in
     stats.accept_lengths the tokens committed per step and stats.verify_lengths the draft rows verified."""
     prompts = [list(map(int, p)) for p in prompts]
     verifier = TreeVerifier(adapter, drafter, spec=spec, confidence_transform=confidence_transform)
-    k = drafter.block_size
-    results = [GenerationResult(i, p, [], "length", RequestStats(block_size=k)) for i, p in enumerate(prompts)]
+    block_size = drafter.block_size
+    results = [GenerationResult(i, p, [], "length", RequestStats(block_size=block_size))
+               for i, p in enumerate(prompts)]
     _validate(adapter, prompts, sampling)
     if not prompts or sampling.max_new_tokens == 0:
         return with_texts(results, adapter.tokenizer)
