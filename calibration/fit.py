@@ -54,9 +54,10 @@ def _log_sigmoid(z: np.ndarray) -> np.ndarray:
 
 
 def _cumulative_log_loss(
-    *, log_survival_before: np.ndarray, slot_logits: np.ndarray, labels: np.ndarray, temperatures: np.ndarray
+    *, log_survival_before: np.ndarray, slot_logits: np.ndarray, labels: np.ndarray, candidates: np.ndarray
 ) -> np.ndarray:
-    """Mean log loss of survival exp(log_survival_before) * sigmoid(z / T) for each T in temperatures [G] -> [G].
+    """Mean log loss of survival exp(log_survival_before) * sigmoid(z / T) for each candidate temperature T of
+    one slot, candidates [G] -> [G].
 
     Why this objective: the scheduler reads the cumulative survival as an absolute probability, and the log
     loss is a strictly proper score of exactly that forecast, so its minimiser is consistent (it recovers the
@@ -65,7 +66,7 @@ def _cumulative_log_loss(
     every verified row (not the conditional on the rows that reached slot j) keeps STS's sequential nature:
     T_j also corrects miscalibration that earlier slots pass on, e.g. when a request's difficulty is shared
     by its whole block and per-slot calibrated confidences multiply into an over-confident survival."""
-    log_conditional = _log_sigmoid(slot_logits[None, :] / temperatures[:, None])
+    log_conditional = _log_sigmoid(slot_logits[None, :] / candidates[:, None])
     accepted = labels > 0
     # accepted rows: -log s_{j-1} does not depend on T_j, so it is left out
     loss_accepted = -log_conditional[:, accepted].sum(axis=1)
@@ -80,10 +81,11 @@ def _cumulative_ece(
     log_survival_before: np.ndarray,
     slot_logits: np.ndarray,
     labels: np.ndarray,
-    temperatures: np.ndarray,
+    candidates: np.ndarray,
     num_bins: int,
 ) -> np.ndarray:
-    survival = np.exp(log_survival_before)[None, :] * _sigmoid(slot_logits[None, :] / temperatures[:, None])
+    """The binned ECE of the survival for each candidate temperature of one slot, candidates [G] -> [G]."""
+    survival = np.exp(log_survival_before)[None, :] * _sigmoid(slot_logits[None, :] / candidates[:, None])
     return batched_ece(probs=survival, labels=labels, num_bins=num_bins)
 
 
@@ -166,7 +168,7 @@ def _fit_log_loss_slot(
         log_survival_before=log_survival_before[::stride],
         slot_logits=slot_logits[::stride],
         labels=labels[::stride],
-        temperatures=grid,
+        candidates=grid,
     )
     start = float(grid[int(np.argmin(coarse))])
     accepted = labels > 0
@@ -180,7 +182,7 @@ def _fit_log_loss_slot(
         bounds=(math.log(grid[0]), math.log(grid[-1])),
     )
     objective = lambda t: _cumulative_log_loss(
-        log_survival_before=log_survival_before, slot_logits=slot_logits, labels=labels, temperatures=t
+        log_survival_before=log_survival_before, slot_logits=slot_logits, labels=labels, candidates=t
     )
     if best_t is not None and objective(np.array([best_t]))[0] <= objective(np.array([start]))[0]:
         return best_t
@@ -246,7 +248,7 @@ def _resampled_log_loss_fit(
                     log_survival_before=log_survival[drawn], slot_logits=rows.logits[drawn], labels=labels
                 )
                 best_t = _fit_slot(
-                    lambda t, inputs=inputs: _cumulative_log_loss(**inputs, temperatures=t), grid, refine=True
+                    lambda t, inputs=inputs: _cumulative_log_loss(**inputs, candidates=t), grid, refine=True
                 )
         temperatures.append(best_t)
         log_survival = log_survival + _log_sigmoid(rows.logits / best_t)
@@ -312,7 +314,7 @@ def _fit_temperatures(
                 best_t = _fit_log_loss_slot(**inputs, grid=grid)
             else:
                 objective = lambda t, inputs=inputs: _cumulative_ece(
-                    **inputs, temperatures=t, num_bins=num_bins
+                    **inputs, candidates=t, num_bins=num_bins
                 )
                 best_t = _fit_slot(objective, grid, refine=method != "grid")
         temperatures.append(best_t)

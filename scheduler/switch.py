@@ -55,6 +55,7 @@ import torch
 from .planner import check_confidences
 from .sps import SpsCostTable, SpsCurve, SpsTable
 
+
 class StepCosts:
     """Everything a step costs, from one SPS table: verify seconds at B batch tokens, plain-decode
     seconds and draft seconds at N requests (dense numpy caches: O(1) per lookup on the hot path).

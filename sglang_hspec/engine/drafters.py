@@ -61,8 +61,8 @@ class NGramDrafter:
     def propose(self, ctx: DraftContext, sampling: SamplingParams, generator=None) -> DraftProposal:
         if ctx.token_history is None:
             raise ValueError("the ngram drafter needs ctx.token_history")
-        b, k = ctx.anchor_tokens.shape[0], self.block_size
-        tokens = torch.zeros((b, k), dtype=torch.long)
+        b, block_size = ctx.anchor_tokens.shape[0], self.block_size
+        tokens = torch.zeros((b, block_size), dtype=torch.long)
         lengths = torch.zeros(b, dtype=torch.long)
         anchors = ctx.anchor_tokens.tolist()
         for r, hist in enumerate(ctx.token_history):
@@ -90,9 +90,9 @@ class RandomDrafter:
         self.block_size = block_size
 
     def propose(self, ctx: DraftContext, sampling: SamplingParams, generator=None) -> DraftProposal:
-        b, k, v = ctx.anchor_tokens.shape[0], self.block_size, self.vocab_size
-        tokens = torch.randint(0, v, (b, k), generator=generator)
-        q = None if sampling.greedy else torch.full((b, k, v), 1.0 / v)
+        b, block_size, v = ctx.anchor_tokens.shape[0], self.block_size, self.vocab_size
+        tokens = torch.randint(0, v, (b, block_size), generator=generator)
+        q = None if sampling.greedy else torch.full((b, block_size, v), 1.0 / v)
         return DraftProposal(tokens=tokens, q=q)
 
     def reset(self) -> None:
@@ -212,7 +212,7 @@ class LookupSpliceDrafter:
             [list(hist) + [anchor] for hist, anchor in zip(ctx.token_history, ctx.anchor_tokens.tolist())])
         proposal = self.drafter.propose(ctx, sampling, generator)
         drafted = proposal.tokens
-        b, k = drafted.shape
+        b, block_size = drafted.shape
         tokens, splice = splice_lookup(drafted=drafted, looked=looked.to(drafted.device), found=found.to(drafted.device))
         self.proposed_rows += b
         self.spliced_rows += int(splice.sum())
@@ -221,8 +221,8 @@ class LookupSpliceDrafter:
             return proposal
         lengths = None
         if proposal.lengths is not None:  # a spliced block is always whole
-            lengths = torch.where(splice, k, proposal.lengths.to(drafted.device))
-        later = splice[:, None] & (torch.arange(k, device=drafted.device) >= 1)[None, :]  # slot 1 keeps its q
+            lengths = torch.where(splice, block_size, proposal.lengths.to(drafted.device))
+        later = splice[:, None] & (torch.arange(block_size, device=drafted.device) >= 1)[None, :]  # slot 1 keeps its q
         q = proposal.q
         if q is not None:
             q = torch.where(later[..., None], torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype), q)

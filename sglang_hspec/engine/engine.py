@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sglang_hspec.core.sampling import sample_from, sampling_probs
-from sglang_hspec.core.types import DraftContext, DraftProposal, Drafter, SamplingParams, VerifyPolicy
+from sglang_hspec.core.types import DraftContext, Drafter, DraftProposal, SamplingParams, VerifyPolicy
 from sglang_hspec.engine.policies import FixedVerifyPolicy
 from sglang_hspec.engine.verify import accept_block
 from sglang_hspec.target.adapter import ExtendOutput, TargetAdapter

@@ -46,10 +46,10 @@ class _Tally:
     first_divergence: int | None = None  # earliest output index where a prompt's two outputs differ
 
     def __post_init__(self) -> None:
-        k = self.block_size
-        self.slot_attempts = self.slot_attempts or [0] * k
-        self.slot_accepts = self.slot_accepts or [0] * k
-        self.histogram = self.histogram or [0] * (k + 2)
+        block_size = self.block_size
+        self.slot_attempts = self.slot_attempts or [0] * block_size
+        self.slot_accepts = self.slot_accepts or [0] * block_size
+        self.histogram = self.histogram or [0] * (block_size + 2)
 
     def add(self, plain, plain_seconds: float, spec, spec_seconds: float) -> None:
         st = spec.stats
@@ -137,17 +137,19 @@ def load_eval_prompts(*, datasets: str | None, prompts_file: str | None,
     return {name: load_prompts(name, limit=limit) for name in dict.fromkeys(names)}
 
 
-def evaluate(*, adapter, drafter, prompts_by_dataset: dict[str, list], temperatures: list[float],
+def evaluate(*, adapter, drafter, prompts_by_dataset: dict[str, list], sampling_temperatures: list[float],
              max_new_tokens: int, policy=None, confidence_transform=None, record_dir: str | None = None,
              seed: int = 0, progress: bool = True) -> dict:
     """Plain decoding vs speculation per prompt, interleaved, batch 1. Returns the JSON payload."""
     return evaluate_many(adapter=adapter, drafters=[drafter], prompts_by_dataset=prompts_by_dataset,
-                         temperatures=temperatures, max_new_tokens=max_new_tokens, policies=[policy],
+                         sampling_temperatures=sampling_temperatures, max_new_tokens=max_new_tokens,
+                         policies=[policy],
                          confidence_transforms=[confidence_transform],
                          record_dirs=[record_dir], seed=seed, progress=progress)[0]
 
 
-def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list], temperatures: list[float],
+def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list],
+                  sampling_temperatures: list[float],
                   max_new_tokens: int, policies: list | None = None, confidence_transforms: list | None = None,
                   record_dirs: list[str | None] | None = None, seed: int = 0, progress: bool = True) -> list[dict]:
     """Several drafters on the same prompts: each prompt is decoded plainly once, then by every drafter in
@@ -178,7 +180,7 @@ def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list
     summaries = [[] for _ in drafters]
     requests = [[] for _ in drafters]
     shards = [[] for _ in drafters]
-    for temperature in temperatures:
+    for temperature in sampling_temperatures:
         sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
         for name, items in prompts_by_dataset.items():
             recorders, engines, tallies = [], [], []
@@ -218,7 +220,7 @@ def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list
         "drafter": drafter.name,
         "block_size": drafter.block_size,
         "max_new_tokens": max_new_tokens,
-        "temperatures": temperatures,
+        "temperatures": sampling_temperatures,  # the payload's field (committed results, scripts/compare_table.py)
         "dtype": str(adapter.dtype).replace("torch.", ""),
         "batch_invariant": adapter.batch_invariant,
         "results": summaries[i],
@@ -248,10 +250,11 @@ def same_as_plain_cell(result: dict) -> str:
 
 
 def markdown_table(payload: dict) -> str:
-    k = payload["block_size"]
-    head = ["dataset", "T", "prompts", "tau", *(f"a{j + 1}" for j in range(k)), "plain tok/s", "spec tok/s",
-            "speedup", "same as plain"]
-    lines = [f"Drafter `{payload['drafter']}`, k = {k}, {payload['max_new_tokens']} new tokens, batch 1, "
+    block_size = payload["block_size"]
+    head = ["dataset", "T", "prompts", "tau", *(f"a{j + 1}" for j in range(block_size)), "plain tok/s",
+            "spec tok/s", "speedup", "same as plain"]
+    lines = [f"Drafter `{payload['drafter']}`, block_size = {block_size}, {payload['max_new_tokens']} new tokens, "
+             "batch 1, "
              f"{payload['dtype']}{' batch-invariant' if payload.get('batch_invariant') else ''} target. "
              "tau counts the bonus token; "
              "a_j = P(slot j kept | earlier slots kept).",
@@ -292,11 +295,12 @@ def plot_histograms(payload: dict, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    temps = payload["temperatures"]
-    k = payload["block_size"]
-    lengths = np.arange(1, k + 2)
-    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 3.8), squeeze=False, sharey=True)
-    for ax, temperature in zip(axes[0], temps):
+    sampling_temperatures = payload["temperatures"]
+    block_size = payload["block_size"]
+    lengths = np.arange(1, block_size + 2)
+    panels = len(sampling_temperatures)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.8), squeeze=False, sharey=True)
+    for ax, temperature in zip(axes[0], sampling_temperatures):
         rows = [r for r in payload["results"] if r["temperature"] == temperature]
         width = 0.8 / max(1, len(rows))
         for i, r in enumerate(rows):
@@ -315,9 +319,9 @@ def plot_histograms(payload: dict, path: str | Path) -> Path:
 def pooled_alpha(payload: dict, temperature: float) -> list[float | None]:
     """alpha_j over every dataset at one temperature: kept / verified, summed before dividing."""
     rows = [r for r in payload["results"] if r["temperature"] == temperature]
-    k = payload["block_size"]
-    kept = [sum(r["slot_accepts"][j] for r in rows) for j in range(k)]
-    tried = [sum(r["slot_attempts"][j] for r in rows) for j in range(k)]
+    block_size = payload["block_size"]
+    kept = [sum(r["slot_accepts"][j] for r in rows) for j in range(block_size)]
+    tried = [sum(r["slot_attempts"][j] for r in rows) for j in range(block_size)]
     return [a / n if n else None for a, n in zip(kept, tried)]
 
 
@@ -422,7 +426,7 @@ def save_tau_curve(fig, ax, path: str | Path, *, title: str, xlabel: str = "trai
 
     ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("held-out pooled tau (T=0, k=7)")
+    ax.set_ylabel("held-out pooled tau (T=0, block_size=7)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -447,11 +451,13 @@ def comparison_table(payloads: list[dict], *, baseline: str = "dspark") -> str:
     for p in payloads:
         for r in p["results"]:
             cells_by_key.setdefault((r["dataset"], r["temperature"]), []).append(r)
-    temps = payloads[0]["temperatures"]
-    keys = [(d, t) for t in temps for d in dict.fromkeys(r["dataset"] for r in payloads[0]["results"])]
+    sampling_temperatures = payloads[0]["temperatures"]
+    datasets = dict.fromkeys(r["dataset"] for r in payloads[0]["results"])
+    keys = [(d, t) for t in sampling_temperatures for d in datasets]
     rows = [(d, t, [r["tau"] for r in cells_by_key[(d, t)]], [r["speedup"] for r in cells_by_key[(d, t)]])
             for d, t in keys]
-    rows += [("all (pooled)", t, [pooled_tau(p, t) for p in payloads], [None] * len(payloads)) for t in temps]
+    rows += [("all (pooled)", t, [pooled_tau(p, t) for p in payloads], [None] * len(payloads))
+             for t in sampling_temperatures]
     for dataset, t, taus, speedups in rows:
         cells = [dataset, f"{t:g}", *(_fmt(x) for x in taus),
                  *("-" if x is None else f"{x:.2f}x" for x in speedups)]
@@ -471,9 +477,10 @@ def plot_alpha(payloads: list[dict], path: str | Path, *, min_attempts: int = 10
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    temps = payloads[0]["temperatures"]
-    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 3.8), squeeze=False, sharey=True)
-    for ax, temperature in zip(axes[0], temps):
+    sampling_temperatures = payloads[0]["temperatures"]
+    panels = len(sampling_temperatures)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.8), squeeze=False, sharey=True)
+    for ax, temperature in zip(axes[0], sampling_temperatures):
         for p in payloads:
             rows = [r for r in p["results"] if r["temperature"] == temperature]
             tried = [sum(r["slot_attempts"][j] for r in rows) for j in range(p["block_size"])]
@@ -496,7 +503,7 @@ def run_cli(args) -> int:
     from sglang_hspec.engine.policies import make_policy
     from sglang_hspec.target.loading import load_target
 
-    temperatures = parse_temperatures(args.temperature)
+    sampling_temperatures = parse_temperatures(args.temperature)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit is not None and args.limit < 1:
@@ -529,7 +536,7 @@ def run_cli(args) -> int:
         record_dirs = [args.record_confidence if len(drafters) == 1 else str(Path(args.record_confidence) / n)
                        if getattr(d, "confidence", None) is not None else None for n, d in zip(names, drafters)]
     payloads = evaluate_many(adapter=adapter, drafters=drafters, prompts_by_dataset=prompts,
-                             temperatures=temperatures, max_new_tokens=args.max_new_tokens,
+                             sampling_temperatures=sampling_temperatures, max_new_tokens=args.max_new_tokens,
                              policies=[m[0] for m in made], confidence_transforms=[m[1] for m in made],
                              record_dirs=record_dirs, seed=args.seed, progress=not args.no_progress)
     for spec, payload in zip(specs, payloads):

@@ -272,14 +272,14 @@ def block_loss(
     for slots inside the mask (the others are exactly 0 and weigh 0 either way)."""
     if (target_logits is None) == (target_probs is None):
         raise ValueError("pass exactly one of target_logits and target_probs")
-    B, A, k, _ = draft_logits.shape
+    B, A, block_size, _ = draft_logits.shape
     T = input_ids.shape[1]
-    j = torch.arange(k, device=anchors.device)
+    j = torch.arange(block_size, device=anchors.device)
     pos = (anchors[..., None] + j).clamp_max(T - 2)  # a+j; masked slots are clamped harmlessly
-    labels = torch.gather(input_ids, 1, (pos + 1).flatten(1)).view(B, A, k)
+    labels = torch.gather(input_ids, 1, (pos + 1).flatten(1)).view(B, A, block_size)
     label_index = pos + (torch.arange(B, device=pos.device) * T)[:, None, None]
     keep = mask.reshape(-1).nonzero().squeeze(-1) if compact else None
-    rows_logits = draft_logits.reshape(B * A * k, -1)
+    rows_logits = draft_logits.reshape(B * A * block_size, -1)
     rows_index, rows_labels = label_index.reshape(-1), labels.reshape(-1)
     if keep is not None:
         rows_logits, rows_index, rows_labels = rows_logits[keep], rows_index[keep], rows_labels[keep]
@@ -292,11 +292,11 @@ def block_loss(
         ce, tv = per_slot_terms(draft_logits=rows_logits, target_logits=target_logits.reshape(B * T, -1),
                                 label_index=rows_index, labels=rows_labels, d2t=d2t, chunk_rows=chunk_rows)
     if keep is not None:
-        ce = ce.new_zeros(B * A * k).index_copy(0, keep, ce)
-        tv = tv.new_zeros(B * A * k).index_copy(0, keep, tv)
-    ce, tv = ce.view(B, A, k), tv.view(B, A, k)
+        ce = ce.new_zeros(B * A * block_size).index_copy(0, keep, ce)
+        tv = tv.new_zeros(B * A * block_size).index_copy(0, keep, tv)
+    ce, tv = ce.view(B, A, block_size), tv.view(B, A, block_size)
     m = mask.float()
-    w = position_weights(block_size=k, gamma_decay=gamma_decay, device=m.device) * m
+    w = position_weights(block_size=block_size, gamma_decay=gamma_decay, device=m.device) * m
     accept = (1.0 - tv).clamp(0.0, 1.0)
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(

@@ -28,7 +28,7 @@ from sglang_hspec.scheduler.switch import GUARD_PRIOR
 
 from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.core.sampling import sampling_probs
-from sglang_hspec.core.types import SamplingParams
+from sglang_hspec.core.types import SamplingParams, VerifyPolicy
 from sglang_hspec.engine.drafters import NGramDrafter, NoDrafter, RandomDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine
 from sglang_hspec.engine.policies import AutoVerifyPolicy, make_policy
@@ -95,6 +95,18 @@ def test_only_probes_draft_when_verifying_is_costly(tmp_path):
     assert [i for i, v in enumerate(lengths) if v] == [0, 32]
     assert policy.planner.stats().probes == policy.planner.stats().speculative_steps == 2
     assert len(lengths) == GREEDY.max_new_tokens - 1  # one token per step (the first comes from the prefill)
+
+
+def test_every_policy_implements_the_verify_policy_protocol(sps_path):
+    target = tiny_target(vocab_size=96, seed=0)
+    for name in ("fixed", "exact", "stale", "auto"):
+        policy, _ = make_policy(name, block_size=4, sps_table=str(sps_path))
+        assert isinstance(policy, VerifyPolicy), name
+        rows = policy.decide(row_ids=torch.arange(3), generations=torch.zeros(3, dtype=torch.long))
+        assert rows.tolist() == [0, 1, 2] or name == "auto", name  # auto may decode plainly
+    # a bare function (the old duck-typed contract) is refused with the fix
+    with pytest.raises(TypeError, match="VerifyPolicy"):
+        SpeculativeEngine(TargetAdapter(target), NoDrafter(), policy=lambda **kw: kw["proposal_lengths"])
 
 
 def test_make_policy_hands_the_guard_its_prior(tmp_path):
