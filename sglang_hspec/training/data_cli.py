@@ -48,19 +48,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--heldout", type=float, default=0.02,
                    help="held-out fraction (split by id hash): the one the regenerate run used")
     m.set_defaults(func=run_cli)
-    k = sub.add_parser("pack", help="a regenerate --out directory (or a SpecForge JSONL) -> compact committed shards "
+    pack = sub.add_parser("pack", help="a regenerate --out directory (or a SpecForge JSONL) -> compact committed shards "
                                     "(uint16 token ids, loss-mask bits, manifest) that `hspec train` reads directly")
-    k.add_argument("--in", dest="in_path", required=True,
+    pack.add_argument("--in", dest="in_path", required=True,
                    help="the --out directory of `hspec data regenerate` (one packed shard per committed shard) or a "
                         "SpecForge JSONL file")
-    k.add_argument("--out", required=True, help="packed directory (manifest.json + NNNNNN.npz); shards already "
+    pack.add_argument("--out", required=True, help="packed directory (manifest.json + NNNNNN.npz); shards already "
                                                 "packed from the same source are kept")
-    k.add_argument("--target", default="embedded", help="the target whose tokenizer renders the conversations")
-    k.add_argument("--heldout", type=float, default=0.02, help="held-out fraction (split by id hash)")
-    k.add_argument("--prompts", default=None, help="the `hspec data build --out` directory the prompts came from "
+    pack.add_argument("--target", default="embedded", help="the target whose tokenizer renders the conversations")
+    pack.add_argument("--heldout", type=float, default=0.02, help="held-out fraction (split by id hash)")
+    pack.add_argument("--prompts", default=None, help="the `hspec data build --out` directory the prompts came from "
                                                    "(its build_stats.json goes into the manifest)")
-    k.add_argument("--prompts-command", default=None, help="the `hspec data build` command, for the manifest")
-    k.set_defaults(func=run_cli)
+    pack.add_argument("--prompts-command", default=None, help="the `hspec data build` command, for the manifest")
+    pack.set_defaults(func=run_cli)
     u = sub.add_parser("unpack", help="a packed directory -> SpecForge JSONL (train.jsonl / heldout.jsonl)")
     u.add_argument("--in", dest="in_path", required=True, help="packed directory (with manifest.json)")
     u.add_argument("--out", required=True, help="output directory")
