@@ -1,0 +1,160 @@
+"""Row-invariant inference: a one-token decode and a k-token verify give a position the same logits, bit for
+bit, so that greedy speculation in bf16 is token-identical to plain decoding.
+
+Two things differ between the two forwards on a CPU (docs/results.md, "bf16 greedy identity"):
+- *Attention.* Hugging Face's SDPA path packs the GQA groups into the query axis for a one-token decode and
+  repeats K/V for a verify; the sums then run in other orders. Forwards of at most `INVARIANT_QUERY_ROWS`
+  query rows (decode and verify steps) run `batch_invariant_attention` (target/adapter.py: sequential fp32
+  sums, masked keys add exactly 0); longer ones (prefills, the same for plain and speculative decoding of a
+  prompt) keep SDPA and its speed.
+- *Linear layers with one row.* The GEMM library takes another kernel for M = 1 than for M >= 2 at some
+  shapes (on a Zen 4 EPYC: only the 1536 -> 576 down projection of the embedded target), while its M >= 2
+  rows agree with each other whatever M and wherever the row sits. Such a layer pads a lone row to two
+  (`PaddedRowLinear`): the weight is read once either way, so the cost is small.
+
+Whether that makes a machine row-invariant is measured, never assumed: `linear_row_modes` probes every
+linear shape of the model (M = 1 against M = 2..16, and M >= 2 rows against each other), and
+`verify_matches_decode` runs the model itself: 8 one-token decodes against one 8-token verify of the same
+tokens, compared bit for bit. `make_row_invariant` applies the mode and returns that verdict.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang_hspec.target.adapter import (
+    BATCH_INVARIANT_ATTENTION,
+    TargetAdapter,
+    _register_batch_invariant_attention,
+    batch_invariant_attention,
+    linear_shapes,
+)
+
+ROW_INVARIANT_ATTENTION = "hspec_row_invariant"
+# forwards with more query rows than this run SDPA: prompt prefills, which plain and speculative decoding
+# share, and whose elementwise sequential attention would cost seconds on a long prompt
+INVARIANT_QUERY_ROWS = 64
+PROBE_ROWS = (2, 3, 8, 9, 16)  # verify blocks (block_size + 1 = 8), trees (16) and odd sizes between
+
+
+def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs):
+    if query.shape[2] > INVARIANT_QUERY_ROWS:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    return batch_invariant_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                     **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    _register_batch_invariant_attention()
+    AttentionInterface.register(ROW_INVARIANT_ATTENTION, row_invariant_attention)
+    AttentionMaskInterface.register(ROW_INVARIANT_ATTENTION, sdpa_mask)
+
+
+class PaddedRowLinear(nn.Linear):
+    """nn.Linear whose lone input row runs as a 2-row GEMM (the row twice), so that it gets the bits it gets
+    among other rows. Inputs of more rows run as they are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(1, -1)
+        return F.linear(torch.cat([flat, flat]), self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
+
+
+def _cancelling_inputs(in_features: int, out_features: int, rows: int, *, dtype, device, seed: int):
+    """x [rows, in], w [out, in] whose paired columns carry large exactly-cancelling products: the result is
+    the small terms' sum, so any other summation order leaves a residue of many ulps (a random input would
+    hide it: linear_rows_are_batch_invariant in target/adapter.py)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    pairs = in_features // 4
+    big_x = torch.randn(rows, pairs, generator=gen) * 64
+    big_w = torch.randn(out_features, pairs, generator=gen) * 64
+    small_x = torch.randn(rows, in_features - 2 * pairs, generator=gen)
+    small_w = torch.randn(out_features, in_features - 2 * pairs, generator=gen)
+    x = torch.cat([big_x, small_x, big_x], 1).to(device=device, dtype=dtype)
+    w = torch.cat([big_w, small_w, -big_w], 1).to(device=device, dtype=dtype)
+    return x, w
+
+
+def linear_row_modes(shapes, *, dtype: torch.dtype, device: str | torch.device = "cpu",
+                     seed: int = 0) -> dict[tuple[int, int], str]:
+    """Per (in_features, out_features): 'invariant' (a row gets the same bits alone or among 2..16 rows),
+    'pad' (M >= 2 rows agree with each other whatever M and the row's place, M = 1 does not: pad lone rows)
+    or 'varies' (M >= 2 rows differ between row counts or places: no padding helps)."""
+    m = max(PROBE_ROWS)
+    out = {}
+    for in_features, out_features in shapes:
+        x, w = _cancelling_inputs(in_features, out_features, m, dtype=dtype, device=device, seed=seed)
+        alone = torch.cat([F.linear(x[r:r + 1], w) for r in range(m)])
+        many = F.linear(x, w)
+        among = all(torch.equal(F.linear(x[:n], w), many[:n]) for n in PROBE_ROWS)
+        # a row's place: each row second of a pair, against its place in the m-row product
+        placed = all(torch.equal(F.linear(x[[(r + 1) % m, r]], w)[1], many[r]) for r in range(m))
+        if among and placed:
+            out[(in_features, out_features)] = "invariant" if torch.equal(alone, many) else "pad"
+        else:
+            out[(in_features, out_features)] = "varies"
+    return out
+
+
+def verify_matches_decode(adapter: TargetAdapter, *, prompt_tokens: int = 24, block_rows: int = 8,
+                          seed: int = 0) -> bool:
+    """Whether `block_rows` one-token decodes and one verify forward of the same tokens give every position the
+    same logits bit for bit, on the model itself (a seeded synthetic prompt; its cache is reset after)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    vocab = adapter.embed_tokens.num_embeddings
+    prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
+    adapter.reset(1, capacity=prompt_tokens + block_rows + 1)
+    adapter.prefill([prompt])
+    tokens, decoded = [], []
+    nxt = int(torch.randint(0, vocab, (1,), generator=gen))
+    for _ in range(block_rows):
+        tokens.append(nxt)
+        logits = adapter.extend(torch.tensor([[nxt]])).logits[0, -1]
+        decoded.append(logits)
+        nxt = int(logits.argmax())
+    adapter.truncate(torch.tensor([prompt_tokens]))
+    verified = adapter.extend(torch.tensor([tokens])).logits[0]
+    adapter.cache = None
+    return all(torch.equal(verified[j], decoded[j]) for j in range(block_rows))
+
+
+def make_row_invariant(adapter: TargetAdapter) -> bool:
+    """Switch the adapter's model to row-invariant inference where this machine allows it and say whether a
+    verify now matches one-token decodes bit for bit. Where a linear shape 'varies' the mode cannot hold:
+    the model is left as it was (its fast path) and the answer is False."""
+    model = adapter.model
+    modes = linear_row_modes(linear_shapes(model), dtype=adapter.dtype, device=adapter.device)
+    if "varies" in modes.values():
+        adapter.row_invariant = False
+        return False
+    _register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ROW_INVARIANT_ATTENTION)
+    for module in model.modules():
+        if type(module) is nn.Linear and modes[(module.in_features, module.out_features)] == "pad":
+            module.__class__ = PaddedRowLinear
+    adapter.row_invariant = verify_matches_decode(adapter)
+    if not adapter.row_invariant:  # no gain: the fast path back
+        restore_fast_path(adapter, attention=previous)
+    return adapter.row_invariant
+
+
+def restore_fast_path(adapter: TargetAdapter, *, attention: str = "sdpa") -> None:
+    """Undo `make_row_invariant`: plain nn.Linear layers and `attention` (benchmarks time both paths on one model)."""
+    for module in adapter.model.modules():
+        if type(module) is PaddedRowLinear:
+            module.__class__ = nn.Linear
+    adapter.model.set_attn_implementation(attention if attention not in (BATCH_INVARIANT_ATTENTION,
+                                                                         ROW_INVARIANT_ATTENTION) else "sdpa")
+    adapter.row_invariant = False
