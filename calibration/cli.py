@@ -6,6 +6,8 @@ Wiring: `sglang_hspec.calibration.cli.add_parser(subparsers)` registers `calibra
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,6 +43,32 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+# draft slots per block: the drafter config's bound (sglang_hspec/model/config.py BLOCK_SIZE_MAX), restated
+# here because calibration/ imports nothing from sglang_hspec
+BLOCK_SIZE_MAX = 64
+
+
+def _block_size(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= BLOCK_SIZE_MAX:
+        raise argparse.ArgumentTypeError(f"must be in 1..{BLOCK_SIZE_MAX} (draft slots per block), got {value}")
+    return value
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """A file written at the end of the command: refuse, before any work, one that could never be written."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory; give a file path")
+    probe = path.parent
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} cannot be written: {probe} is a file, not a directory; pick another "
+                         f"{flag}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {str(path)!r} cannot be written: permission denied in {probe}; pick another {flag}")
+
+
 class _DeprecatedGamma(argparse.Action):
     """`--gamma` (SGLang's name for the block size), kept as a hidden alias of `--block-size`."""
 
@@ -50,9 +78,9 @@ class _DeprecatedGamma(argparse.Action):
 
 
 def _add_block_size(p: argparse.ArgumentParser, *, default: int | None, help: str) -> None:
-    p.add_argument("--block-size", type=_positive_int, default=default, help=help)
+    p.add_argument("--block-size", type=_block_size, default=default, help=help)
     p.add_argument(
-        "--gamma", dest="block_size", type=_positive_int, action=_DeprecatedGamma, help=argparse.SUPPRESS
+        "--gamma", dest="block_size", type=_block_size, action=_DeprecatedGamma, help=argparse.SUPPRESS
     )
 
 
@@ -114,7 +142,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="hold out this random fraction of records; metrics and plot are then on held-out rows",
     )
-    fit.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the bootstrap")
+    fit.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the held-out split and the bootstrap")
 
     report = sub.add_parser("report", help="confidence metrics of records, raw and after an STS file")
     _add_common(report)
@@ -133,7 +161,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--temperature", type=float, default=2.5, help="true over-confidence (--kind overconfident)"
     )
     synth.add_argument("--shards", type=_positive_int, default=4)
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--seed", type=_non_negative_int, default=0)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -210,8 +238,17 @@ def run_fit(args: argparse.Namespace) -> int:
         check_png_path(args.plot)
     if args.out.is_dir():
         raise ValueError(f"--out {str(args.out)!r} is a directory; give a file path such as sts.json")
+    _check_writable(args.out, "--out")
+    if args.plot is not None:
+        _check_writable(args.plot, "--plot")
     if not 0 <= args.holdout_fraction < 1:
         raise ValueError(f"--holdout-fraction must be in [0, 1), got {args.holdout_fraction}")
+    for flag, value in (("--grid-min", args.grid_min), ("--grid-max", args.grid_max)):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{flag} must be a finite temperature > 0, got {value}")
+    if args.grid_min >= args.grid_max:
+        raise ValueError(f"--grid-min ({args.grid_min}) must be below --grid-max ({args.grid_max}): they bound the "
+                         "temperature search (defaults 0.1 and 10)")
     if args.bootstrap == 1:
         raise ValueError("--bootstrap needs at least 2 resamples (200 is the default; 0 skips the intervals)")
     grid = default_temperature_grid(low=args.grid_min, high=args.grid_max, num=args.grid_points)
@@ -292,6 +329,9 @@ def _matching_intervals(sts_path: Path, sts: StsCalibration) -> StsTemperatureIn
 def run_report(args: argparse.Namespace) -> int:
     if args.plot is not None:
         check_png_path(args.plot)
+        _check_writable(args.plot, "--plot")
+    if args.json is not None:
+        _check_writable(args.json, "--json")
     sts = load_sts(args.sts, block_size=args.block_size)
     intervals = _matching_intervals(args.sts, sts)
     records = load_records(data=args.data, block_size=sts.block_size, progress=True)
@@ -321,6 +361,13 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_synth(args: argparse.Namespace) -> int:
+    if not math.isfinite(args.temperature) or args.temperature <= 0:
+        raise ValueError(f"--temperature must be a finite number > 0 (the true over-confidence; 1 = calibrated), "
+                         f"got {args.temperature}")
+    if args.shards > args.num_records:
+        raise ValueError(f"--shards {args.shards} exceeds --num-records {args.num_records}: some shards would be "
+                         "empty; lower --shards")
+    _check_writable(Path(f"{args.out_stem}.0.pt"), "--out-stem")
     if args.kind == "overconfident":
         records = overconfident_records(
             n=args.num_records, block_size=args.block_size, temperature=args.temperature, seed=args.seed

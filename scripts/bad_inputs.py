@@ -49,6 +49,7 @@ class Row:
     what: str  # the bad input, in words
     command: list[str] | None = None  # hspec argv (in-process main)
     call: object = None  # or a zero-argument callable (library call)
+    env: dict[str, str] | None = None  # environment variables set while the row runs
 
 
 @dataclass
@@ -64,7 +65,7 @@ def run_row(row: Row) -> Outcome:
 
     err, out = io.StringIO(), io.StringIO()
     code, tb = None, False
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), environment(row.env or {}):
         try:
             if row.command is not None:
                 code = main(row.command)
@@ -93,6 +94,20 @@ def run_row(row: Row) -> Outcome:
         if at is not None and line.endswith(":") and at + 1 < len(lines):  # a heading: its first item says what
             line = f"{line} {lines[at + 1].strip()}"
     return Outcome(code, line.strip(), tb, library=row.command is None)
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def clear(outcome: Outcome) -> bool:
@@ -138,6 +153,8 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
     w("bad.yaml").write_text("model: [unclosed\n")
     w("notarecord.pt").write_bytes(b"not a torch file")
     (scratch / "emptydir").mkdir()
+    w("afile").write_text("a file where a directory is expected\n")
+    w("binary.txt").write_bytes(b"\xff\xfe\x00\x81 not text")
 
     tiny = ["--target", tiny_target_dir, "--dtype", "fp32"]
     gen = ["generate", "--prompt", "hi"]
@@ -164,6 +181,15 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         save_file(state, str(p / "model.safetensors"))
 
     missing_tensor = d("missing_tensor", other_shapes)
+    huge_block = d("block_size_100000", edit_config(lambda c: c["hspec"].update(block_size=100000)))
+    huge_mlp = d("intermediate_size_1e9", edit_config(lambda c: c["hspec"].update(intermediate_size=10**9)))
+    markov_rank = d("markov_rank_1e7", edit_config(lambda c: c["hspec"].update(markov_rank=10**7)))
+    zero_eps = d("rms_norm_eps_0", edit_config(lambda c: c["hspec"].update(rms_norm_eps=0)))
+    conf_yes = d("confidence_head_yes", edit_config(lambda c: c["hspec"].update(confidence_head="yes")))
+    no_mask = d("no_mask_token_id", edit_config(lambda c: c["hspec"].pop("mask_token_id")))
+    blocker = w("afile")
+    build = ["data", "build", "--sharegpt", "0", "--code", "2"]
+    fit = ["calibrate", "fit", "--data", str(w("notarecord.pt")), "--block-size", "7"]
 
     return [
         # prompts and targets
@@ -177,6 +203,9 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
                                                                            "--max-new-tokens", "100000"]),
         Row("prompts", "`--drafter` that is neither a name nor a directory", [*gen, *tiny, "--drafter", "eagle9"]),
         Row("prompts", "`--drafter` an empty directory", [*gen, *tiny, "--drafter", str(w("emptydir"))]),
+        Row("prompts", "`--prompt-file` that is a directory", ["generate", "--prompt-file", str(w("emptydir"))]),
+        Row("prompts", "`--prompt-file` that is not text", ["generate", "--prompt-file", str(w("binary.txt"))]),
+        Row("prompts", "`--target tiny` (no tokenizer) for text generation", [*gen, "--target", "tiny"]),
         # sampling flags
         Row("sampling", "`--temperature -1`", [*gen, "--temperature", "-1"]),
         Row("sampling", "`--temperature nan`", [*gen, "--temperature", "nan"]),
@@ -193,6 +222,11 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         Row("speculation", "`--block-size 0` with the ngram drafter", [*gen, "--drafter", "ngram", "--block-size", "0"]),
         Row("speculation", "`--block-size 5` with the shipped drafter (trained for 7)", [*emb, "--drafter", "shipped",
                                                                                          "--block-size", "5"]),
+        Row("speculation", "`--block-size 100000`", [*gen, "--drafter", "ngram", "--block-size", "100000"]),
+        Row("speculation", "`--sps-table` that is a directory", [*gen, "--drafter", "shipped", "--policy", "stale",
+                                                                  "--sps-table", str(w("emptydir"))]),
+        Row("speculation", "`demo --json-out` under a file", ["demo", "--drafter", "ngram", "--json-out",
+                                                               str(blocker / "rows.json")]),
         Row("speculation", "`--block-size` with `--drafter none`", [*gen, "--drafter", "none", "--block-size", "4"]),
         Row("speculation", "`--policy fixed --sps-table notjson.json`", [*gen, "--policy", "fixed", "--sps-table",
                                                                            str(w("notjson.json"))]),
@@ -226,6 +260,13 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
             ["calibrate", "fit", "--data", str(w("notarecord.pt")), "--block-size", "7", "--out", str(w("sts.json"))]),
         Row("SPS / STS", "`calibrate fit` without `--block-size`", ["calibrate", "fit", "--data",
                                                                      str(w("notarecord.pt")), "--out", str(w("sts.json"))]),
+        Row("SPS / STS", "`calibrate fit --grid-min 0`", [*fit, "--out", str(w("sts.json")), "--grid-min", "0"]),
+        Row("SPS / STS", "`calibrate fit --block-size 100000`", [*fit[:-1], "100000", "--out", str(w("sts.json"))]),
+        Row("SPS / STS", "`calibrate fit --out` under a file", [*fit, "--out", str(blocker / "sts.json")]),
+        Row("SPS / STS", "`calibrate synth --temperature -1`", ["calibrate", "synth", "--out-stem", str(w("synth")),
+                                                                 "--kind", "overconfident", "--temperature", "-1"]),
+        Row("SPS / STS", "`calibrate synth --seed -1`", ["calibrate", "synth", "--out-stem", str(w("synth")),
+                                                          "--seed", "-1"]),
         Row("SPS / STS", "`calibrate report --sts notjson.json`", ["calibrate", "report", "--data",
                                                                     str(w("notarecord.pt")), "--sts", str(w("notjson.json"))]),
         # drafter checkpoints (damaged copies of the shipped drafter, on the embedded target)
@@ -239,11 +280,28 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         Row("checkpoint", "config with DFlash's slot convention", [*emb, "--drafter", slot_conv]),
         Row("checkpoint", "config with an unknown field", [*emb, "--drafter", unknown_field]),
         Row("checkpoint", "the shipped drafter on another target", [*gen, *tiny, "--drafter", "shipped"]),
+        Row("checkpoint", "config with `block_size: 100000`", [*emb, "--drafter", huge_block]),
+        Row("checkpoint", "config with `intermediate_size: 1000000000`", [*emb, "--drafter", huge_mlp]),
+        Row("checkpoint", "config with `markov_rank` above the draft vocabulary", [*emb, "--drafter", markov_rank]),
+        Row("checkpoint", "config with `rms_norm_eps: 0`", [*emb, "--drafter", zero_eps]),
+        Row("checkpoint", 'config with `confidence_head: "yes"`', [*emb, "--drafter", conf_yes]),
+        Row("checkpoint", "config without `mask_token_id`", [*emb, "--drafter", no_mask]),
         # training configs and records
         Row("training", "`train --config` that does not exist", ["train", "--config", str(w("missing.yaml"))]),
         Row("training", "`train --config` that is not YAML", ["train", "--config", str(w("bad.yaml"))]),
         Row("training", "an override without `=`", [*train, "training.lr"]),
         Row("training", "an override with an unknown key", [*train, "training.learning_rate=1e-3"]),
+        Row("training", "`training.lr=-1`", [*train, "training.lr=-1"]),
+        Row("training", "`training.betas=[0.9]`", [*train, "training.betas=[0.9]"]),
+        Row("training", "`training.max_grad_norm=-1`", [*train, "training.max_grad_norm=-1"]),
+        Row("training", "`training.gamma_decay=.nan`", [*train, "training.gamma_decay=.nan"]),
+        Row("training", "`training.loss_chunk_rows=0`", [*train, "training.loss_chunk_rows=0"]),
+        Row("training", "`model.block_size=100000`", [*train, "model.block_size=100000"]),
+        Row("training", "`model.drafter.mamba_state_dim=100000`", [*train, "model.drafter.mamba_state_dim=100000"]),
+        Row("training", "`data.synthetic.motif_len=0`", [*train, "data.synthetic.motif_len=0"]),
+        Row("training", "`data.synthetic.vocab_high` beyond the target's vocabulary",
+            [*train, "data.synthetic.vocab_high=1000", f"training.output_dir={scratch / 'run'}"]),
+        Row("training", "`training.output_dir` under a file", [*train, f"training.output_dir={blocker / 'run'}"]),
         Row("training", "`data.train_path` that does not exist", [*jsonl_train, f"data.train_path={w('nope.jsonl')}"]),
         Row("training", "an empty JSONL", [*jsonl_train, f"data.train_path={w('empty.jsonl')}"]),
         Row("training", 'a JSONL line `{"foo": 1}`', [*jsonl_train, f"data.train_path={w('foo.jsonl')}"]),
@@ -263,11 +321,31 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
              str(w("foo.jsonl"))]),
         Row("training", "`data merge --out` naming a directory with no regenerate shards",
             ["data", "merge", "--out", str(w("regen"))]),
+        Row("training", "`data build --out` under a file", [*build, "--out", str(blocker / "data")]),
+        Row("training", "`data build --out /proc/x` (a virtual filesystem)", [*build, "--out", "/proc/x"]),
+        Row("training", "`data build --heldout 2`", [*build, "--out", str(w("data_build")), "--heldout", "2"]),
+        Row("training", "`data build --code-root` that does not exist",
+            [*build, "--out", str(w("data_build")), "--code-root", str(w("nope"))]),
+        Row("training", "`data build` with every source at 0",
+            ["data", "build", "--out", str(w("data_build")), "--sharegpt", "0", "--code", "0"]),
+        # environment variables
+        Row("environment", "`HSPEC_TRAIN_THREADS=abc`", [*train, f"training.output_dir={scratch / 'run'}"],
+            env={"HSPEC_TRAIN_THREADS": "abc"}),
+        Row("environment", "`HSPEC_MAMBA_SCAN=bogus`", [*emb, "--drafter", "shipped", "--max-new-tokens", "2"],
+            env={"HSPEC_MAMBA_SCAN": "bogus"}),
+        Row("environment", "`HSPEC_CACHE_DIR` naming a file (where the embedded target is converted)",
+            call=cache_dir_row, env={"HSPEC_CACHE_DIR": str(blocker)}),
         # artifacts on a full disk (library calls: the disk is made to fail in-process)
         Row("artifacts", "`save_drafter` on a full disk", call=functools.partial(full_disk_save_drafter, scratch)),
         Row("artifacts", "`build_dataset` (data shards) on a full disk",
             call=functools.partial(full_disk_build_dataset, scratch)),
     ]
+
+
+def cache_dir_row() -> None:
+    from sglang_hspec.assets.embedded import default_cache_dir
+
+    default_cache_dir()
 
 
 def full_disk_save_drafter(scratch: Path) -> None:
@@ -316,7 +394,9 @@ def markdown(results: list[tuple[Row, Outcome]], scratch: Path) -> str:
         "|---|---|---|---|---|---|",
     ]
     for i, (row, out) in enumerate(results, 1):
-        cmd = "" if row.command is None else f"<br>`hspec {show(' '.join(a if a.strip() else repr(a) for a in row.command))}`"
+        env = "".join(f"{k}={v} " for k, v in (row.env or {}).items())
+        cmd = (f"<br>`{show(env)}(library call)`" if env else "") if row.command is None else \
+            f"<br>`{show(env)}hspec {show(' '.join(a if a.strip() else repr(a) for a in row.command))}`"
         lines.append(f"| {i} | {row.group} | {show(row.what)}{cmd} | {show(out.line)} | {out.exit_code} | "
                      f"{'yes' if clear(out) else '**no**'} |")
     n_clear = sum(clear(o) for _, o in results)

@@ -81,6 +81,18 @@ def check_sampling_flags(args) -> None:
                              "give a non-empty stop string")
 
 
+def check_output_file(path: str, *, flag: str) -> None:
+    """A file the command writes at its end: refuse, before any work, one that could never be written."""
+    from sglang_hspec.training.config import output_dir_problem
+
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path such as {file / 'out.json'}")
+    problem = output_dir_problem(file.parent)
+    if problem:
+        raise ValueError(f"{flag} {path} cannot be written: {problem}; pick another {flag}")
+
+
 # ---------------------------------------------------------------------------- generate
 
 def _read_prompts(args) -> list[list[dict]]:
@@ -89,21 +101,37 @@ def _read_prompts(args) -> list[list[dict]]:
             raise SystemExit("error: --prompt is empty; give some text")
         return [[{"role": "user", "content": args.prompt}]]
     path = Path(args.prompt_file)
+    if path.is_dir():
+        raise SystemExit(f"error: prompt file {path} is a directory; pass a text file (one prompt per line) or a "
+                         "JSONL of {id, turns}")
     if not path.is_file():
         raise SystemExit(f"error: prompt file {path} does not exist")
     if path.suffix == ".jsonl":
         from sglang_hspec.assets.prompts import load_prompt_file
 
         return [item.messages(0) for item in load_prompt_file(path)]
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"error: prompt file {path} is not UTF-8 text (byte {e.start}); pass a text file, one "
+                         "prompt per line") from None
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise SystemExit(f"error: prompt file {path} holds no prompts (one per line, or JSONL of {{id, turns}})")
     return [[{"role": "user", "content": ln}] for ln in lines]
 
 
+def check_text_target(args) -> None:
+    """generate / demo / bench engine turn text into tokens: the tiny test target has no tokenizer."""
+    if args.target == "tiny":
+        raise ValueError("--target tiny is a random test model without a tokenizer, so it cannot read a prompt: use "
+                         "--target embedded or a local Hugging Face model directory")
+
+
 def cmd_generate(args) -> int:
     from sglang_hspec.assets.prompts import chat_input_ids
 
+    check_text_target(args)
     check_sampling_flags(args)
     check_engine_flags(args, _drafter_spec(args))
     conversations = _read_prompts(args)
@@ -213,6 +241,9 @@ def cmd_demo(args) -> int:
     names = ["none"] + [s for s in dict.fromkeys([spec, *(args.also or [])]) if s != "none"]
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1 (MT-Bench questions to run), got {args.limit}")
+    check_text_target(args)
+    if args.json_out:
+        check_output_file(args.json_out, flag="--json-out")
     check_sampling_flags(args)
     for name in names[1:]:  # the plain-decoding baseline takes no speculation flags
         check_engine_flags(args, name)
@@ -227,8 +258,7 @@ def cmd_demo(args) -> int:
     sampling = _sampling(args)
     rows = run_side_by_side(engines, prompts, sampling, desc="MT-Bench")
     print(f"\nMT-Bench, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.target} target "
-          f"({str(adapter.dtype).replace('torch.', '')}{', batch-invariant' if adapter.batch_invariant else ''}"
-          f"{' attention only: linear rows vary on this machine' if adapter.linear_rows_invariant is False else ''}), "
+          f"({str(adapter.dtype).replace('torch.', '')}{', row-invariant' if adapter.batch_invariant else ''}), "
           f"batch 1, temperature {args.temperature}\nmachine: {describe_machine()}\n"
           "step cost: seconds per speculative step (draft + verify) in plain decode steps, so speedup = tau / "
           "step cost; same-as-plain: prompts whose outputs are identical token for token\n")

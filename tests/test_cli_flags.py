@@ -18,9 +18,14 @@ def notjson(tmp_path):
 
 CASES = {  # id -> (argv after `generate --prompt hi`, the whole error line)
     "block-size-0-shipped": (["--drafter", "shipped", "--block-size", "0"],
-                             "--block-size must be >= 1 (draft tokens per step), got 0; drop it to use the drafter's own"),
+                             "--block-size must be in 1..64 (draft tokens per step), got 0; drop it to use the drafter's own"),
     "block-size-0-ngram": (["--drafter", "ngram", "--block-size", "0"],
-                           "--block-size must be >= 1 (draft tokens per step), got 0; drop it to use the drafter's own"),
+                           "--block-size must be in 1..64 (draft tokens per step), got 0; drop it to use the drafter's own"),
+    "block-size-huge": (["--drafter", "ngram", "--block-size", "100000"],
+                        "--block-size must be in 1..64 (draft tokens per step), got 100000; drop it to use the "
+                        "drafter's own"),
+    "target-tiny": (["--target", "tiny"], "--target tiny is a random test model without a tokenizer, so it cannot "
+                                          "read a prompt: use --target embedded or a local Hugging Face model directory"),
     "block-size-none": (["--drafter", "none", "--block-size", "4"],
                         "--block-size has no effect with --drafter none (plain decoding proposes nothing); drop "
                         "--block-size or pick a drafter"),
@@ -73,4 +78,38 @@ def test_demo_validates_flags_before_loading(capsys):
     assert main(["demo", "--limit", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --limit must be >= 1 (MT-Bench questions to run), got 0"
     assert main(["demo", "--drafter", "ngram", "--block-size", "0"]) == 2
-    assert "--block-size must be >= 1" in capsys.readouterr().err
+    assert "--block-size must be in 1..64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--sps-table", "--sts"])
+def test_a_directory_for_a_json_flag_is_named_as_such(flag, tmp_path, capsys):
+    args = ["--drafter", "shipped", "--policy", "stale"] if flag == "--sps-table" else ["--drafter", "shipped"]
+    assert main(["generate", *PROMPT, *args, flag, str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {flag} {tmp_path} is a directory; pass the JSON file itself"
+
+
+def test_prompt_file_that_is_a_directory_or_not_text(tmp_path):
+    with pytest.raises(SystemExit) as err:
+        main(["generate", "--prompt-file", str(tmp_path)])
+    assert str(err.value) == (f"error: prompt file {tmp_path} is a directory; pass a text file (one prompt per line) "
+                              "or a JSONL of {id, turns}")
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"ok\n\xff\xfe")
+    with pytest.raises(SystemExit) as err:
+        main(["generate", "--prompt-file", str(binary)])
+    assert str(err.value) == f"error: prompt file {binary} is not UTF-8 text (byte 3); pass a text file, one prompt per line"
+
+
+def test_demo_json_out_that_cannot_be_written_fails_before_the_run(tmp_path, capsys):
+    """--json-out is written after every prompt ran: a path under a file (or a directory) is refused first,
+    and nothing is created."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["demo", "--drafter", "ngram", "--json-out", str(blocker / "rows.json")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --json-out {blocker / 'rows.json'} cannot be written: {blocker} "
+                                               "is a file, not a directory; pick another --json-out")
+    assert main(["bench", "engine", "--json-out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --json-out {tmp_path} is a directory; give a file path such "
+                                               f"as {tmp_path / 'out.json'}")
+    assert sorted(tmp_path.rglob("*")) == before and blocker.read_text() == "x"

@@ -48,6 +48,9 @@ class EmbeddedAssetError(RuntimeError):
 def default_cache_dir() -> Path:
     """`$HSPEC_CACHE_DIR`, else `~/.cache/sglang-hspec`."""
     env = os.environ.get("HSPEC_CACHE_DIR")
+    if env and Path(env).expanduser().exists() and not Path(env).expanduser().is_dir():
+        raise ValueError(f"HSPEC_CACHE_DIR={env} is a file, not a directory: point it at a directory (or unset it "
+                         "for ~/.cache/sglang-hspec)")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "sglang-hspec"
 
 

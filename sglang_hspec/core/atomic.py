@@ -8,6 +8,7 @@ three-line equivalent, scheduler/sps.py `save_sps_table` and calibration/sts.py 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
@@ -21,9 +22,17 @@ class ArtifactWriteError(OSError):
 
 def _write_error(path: Path, exc: OSError) -> ArtifactWriteError:
     reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        cause, fix = "the disk may be full", f"free space in {path.parent} and run again"
+    elif exc.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        cause, fix = "a file or directory is in the way", f"check that {path.parent} is a directory and {path.name} " \
+                                                             "is not one, or write elsewhere"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        cause, fix = "the location is not writable", f"make {path.parent} writable, or write elsewhere"
+    else:
+        cause, fix = "the location cannot hold files", "write elsewhere"
     err = ArtifactWriteError(
-        f"could not write {path}: {reason}; the disk may be full. The previous {path.name} (if any) is left "
-        f"unchanged: free space in {path.parent} and run again")
+        f"could not write {path}: {reason}; {cause}. The previous {path.name} (if any) is left unchanged: {fix}")
     err.errno = exc.errno  # callers may still test for errno.ENOSPC
     return err
 

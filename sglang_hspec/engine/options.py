@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from sglang_hspec.model.config import BLOCK_SIZE_MAX
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None = None) -> None:
@@ -12,10 +15,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None =
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target dtype; auto = bf16 where it is faster (GPU; a CPU with AVX512-BF16/AMX where a "
                         "one-off matmul probe finds bf16 faster), else fp32")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="run the target's attention batch-invariantly (a row's logits do not depend on how many "
-                        "tokens share its forward), so that bf16 greedy speculation is token-identical to plain "
-                        "decoding; slower (docs/results.md, 'bf16 greedy identity')")
+    p.add_argument("--batch-invariant", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                   help="row-invariant target (a verify gives each position the bits a one-token decode gives), so "
+                        "greedy speculation is token-identical to plain decoding: auto (default) = on for bf16 / "
+                        "fp16 on a CPU where this machine's GEMM allows it (measured at load; else one line says "
+                        "so); off = the fastest kernels (docs/results.md, 'bf16 greedy identity')")
     p.add_argument("--drafter", default=drafter_default,
                    help="none | ngram | shipped | a drafter checkpoint directory; append +lookup to splice prompt "
                         "lookup into a learned drafter (default: shipped+lookup on the embedded target, else ngram)")
@@ -38,9 +42,9 @@ def check_engine_flags(args, drafter: str | None) -> None:
     default drafter); the SPS and STS files are parsed here too, so a bad one fails before the target loads."""
     builtin = drafter in BUILTIN_NO_CONFIDENCE
     if args.block_size is not None:
-        if args.block_size < 1:
-            raise ValueError(f"--block-size must be >= 1 (draft tokens per step), got {args.block_size}; "
-                             "drop it to use the drafter's own")
+        if not 1 <= args.block_size <= BLOCK_SIZE_MAX:
+            raise ValueError(f"--block-size must be in 1..{BLOCK_SIZE_MAX} (draft tokens per step), got "
+                             f"{args.block_size}; drop it to use the drafter's own")
         if drafter == "none":
             raise ValueError("--block-size has no effect with --drafter none (plain decoding proposes nothing); "
                              "drop --block-size or pick a drafter")
@@ -52,6 +56,9 @@ def check_engine_flags(args, drafter: str | None) -> None:
                          f"{drafter} drafter has none of: use --policy fixed, or an H-Spec / dspark drafter")
     if args.sts is not None and builtin:
         raise ValueError(f"--sts calibrates a drafter's confidence head; the {drafter} drafter has none: drop --sts")
+    for flag, path in (("--sps-table", args.sps_table), ("--sts", args.sts)):
+        if path is not None and Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a directory; pass the JSON file itself")
     if args.sps_table is not None:
         from sglang_hspec.scheduler.sps import load_sps_table
 

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from sglang_hspec.core.atomic import atomic_open, atomic_write_text
+from sglang_hspec.training.config import make_output_dir
 
 ROLES = ("system", "user", "assistant")
 
@@ -206,13 +207,31 @@ class BuildStats:
     heldout: int = 0
 
 
+def check_build_flags(args) -> None:
+    """`hspec data build`'s flags, checked (and --out created) before a single record is read."""
+    for flag, value in (("--sharegpt", args.sharegpt), ("--code", args.code), ("--math", args.math)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0 (records to add; 0: none), got {value}")
+    if not (args.sharegpt or args.code or args.math):
+        raise ValueError("--sharegpt, --code and --math are all 0: nothing to build; give at least one a count")
+    if args.code_root is not None and args.code and not Path(args.code_root).is_dir():
+        what = "is not a directory" if Path(args.code_root).exists() else "does not exist"
+        raise ValueError(f"--code-root {args.code_root} {what}; pass a directory of .py files (or drop it: the stdlib)")
+    if not 0 <= args.heldout < 1:
+        raise ValueError(f"--heldout must be a fraction in [0, 1) (the held-out share, split by id hash), "
+                         f"got {args.heldout}")
+    make_output_dir(args.out, name="--out")
+
+
 def build_dataset(
     *, records: Iterable[dict[str, Any]], out_dir: str | Path, heldout_fraction: float = 0.02,
     exclude_texts: set[str] = frozenset(),
 ) -> BuildStats:
     """Deduplicate (by id and by content), drop conversations with a user turn in `exclude_texts`
     (normalised evaluation prompts) and write train.jsonl / heldout.jsonl."""
-    out = Path(out_dir)
+    if not 0 <= heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    out = make_output_dir(out_dir, name="out_dir")  # the real cause (a file in the way, permissions) up front
     stats, seen_ids, seen_keys = BuildStats(), set(), set()
     # both shards appear together when the build completes; a crash or a full disk keeps the old ones
     with atomic_open(out / "train.jsonl") as ftrain, atomic_open(out / "heldout.jsonl") as fheld:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from sglang_hspec.training.data import (
     build_dataset,
+    check_build_flags,
     code_records,
     evaluation_prompt_texts,
     math_records,
@@ -81,6 +82,8 @@ def run_cli(args) -> int:
         print(json.dumps({"out": args.out, "turns_per_set": counts}))
         return 0
     if args.data_command == "build":
+        check_build_flags(args)
+
         def records():
             if args.sharegpt:
                 yield from sharegpt_records(limit=args.sharegpt)

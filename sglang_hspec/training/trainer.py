@@ -324,7 +324,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
                              tiny_kwargs=cfg.model.target_kwargs, device=device, workload="batch")
         target, tokenizer = loaded.model, loaded.tokenizer
     target = target.to(device).eval().requires_grad_(False)
-    check_against_target(cfg, num_target_layers=target.config.num_hidden_layers)
+    check_against_target(cfg, num_target_layers=target.config.num_hidden_layers, vocab_size=target.config.vocab_size)
     from sglang_hspec.target.adapter import TargetAdapter
 
     adapter = TargetAdapter(target)
@@ -672,7 +672,12 @@ def run_cli(args) -> int:
             return 2
         if cmd is not None:
             return subprocess.run(cmd, env=single_thread_env(dict(os.environ))).returncode
-    torch.set_num_threads(max(1, int(os.environ.get("HSPEC_TRAIN_THREADS", torch.get_num_threads()))))
+    threads = os.environ.get("HSPEC_TRAIN_THREADS", "").strip()
+    if threads and not (threads.isdigit() and int(threads) >= 1):
+        print(f"error: HSPEC_TRAIN_THREADS={threads!r} must be a whole number >= 1 (torch threads per process), "
+              "or unset (all cores)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(int(threads) if threads else torch.get_num_threads())
     cfg = load_config(args.config, args.overrides)
     try:
         result = train(cfg, progress=not args.no_progress)

@@ -183,3 +183,40 @@ def test_errors_are_clear_and_write_nothing(tmp_path, capsys):
         ["report", "--data", str(tmp_path / "g5.*.pt"), "--sts", str(tmp_path / "sts_bad.json")],
         "must be finite and > 0",
     )
+
+
+def test_bad_flag_values_name_the_flag_and_write_nothing(tmp_path, capsys):
+    """Each bad value is refused before any record is read or file written, naming the flag and its range."""
+    torch.save({"logits": torch.zeros(5, 5), "prefix_mask": torch.zeros(5, 5)}, tmp_path / "g5.0.pt")
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    data = ["--data", str(tmp_path / "g5.*.pt")]
+    fit = ["fit", *data, "--block-size", "5", "--out", str(tmp_path / "sts.json")]
+    for argv, message in [
+        ([*fit, "--grid-min", "0"], "error: --grid-min must be a finite temperature > 0, got 0.0"),
+        ([*fit, "--grid-max", "nan"], "error: --grid-max must be a finite temperature > 0, got nan"),
+        ([*fit, "--grid-min", "5", "--grid-max", "1"],
+         "error: --grid-min (5.0) must be below --grid-max (1.0): they bound the temperature search (defaults 0.1 and 10)"),
+        (["fit", *data, "--block-size", "5", "--out", str(blocker / "sts.json")],
+         f"error: --out '{blocker / 'sts.json'}' cannot be written: {blocker} is a file, not a directory; pick "
+         "another --out"),
+        (["report", *data, "--sts", str(tmp_path / "missing.json"), "--json", str(blocker / "m.json")],
+         f"error: --json '{blocker / 'm.json'}' cannot be written: {blocker} is a file, not a directory"),
+        (["synth", "--out-stem", str(tmp_path / "syn"), "--kind", "overconfident", "--temperature", "-1"],
+         "error: --temperature must be a finite number > 0 (the true over-confidence; 1 = calibrated), got -1.0"),
+        (["synth", "--out-stem", str(tmp_path / "syn"), "-n", "2", "--shards", "5"],
+         "error: --shards 5 exceeds --num-records 2: some shards would be empty; lower --shards"),
+        (["synth", "--out-stem", str(blocker / "syn")],
+         f"error: --out-stem '{blocker / 'syn.0.pt'}' cannot be written: {blocker} is a file, not a directory"),
+    ]:
+        _assert_failed_cleanly(tmp_path, capsys, argv, message)
+    for argv, message in [
+        ([*fit[:3], "--block-size", "100000", *fit[5:]], "argument --block-size: must be in 1..64 (draft slots per "
+                                                         "block), got 100000"),
+        ([*fit, "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["synth", "--out-stem", str(tmp_path / "syn"), "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "g5.0.pt"] and blocker.read_text() == "x"

@@ -47,3 +47,25 @@ def test_rejects_append_mode(tmp_path):
     with pytest.raises(ValueError, match="mode must be 'w' or 'wb'"):
         with atomic_open(tmp_path / "x", "a"):
             pass
+
+
+@pytest.mark.parametrize("code, cause", [
+    (errno.ENOTDIR, "a file or directory is in the way"),
+    (errno.EACCES, "the location is not writable"),
+    (errno.EROFS, "the location is not writable"),
+    (errno.ENOENT, "the location cannot hold files"),
+])
+def test_a_write_error_other_than_a_full_disk_does_not_blame_the_disk(tmp_path, monkeypatch, code, cause):
+    path = tmp_path / "a.txt"
+    path.write_text("old")
+
+    def refuse(*a, **k):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(ArtifactWriteError) as err:
+        atomic_write_text(path, "new")
+    assert str(err.value).startswith(f"could not write {path}: {os.strerror(code)}; {cause}. The previous a.txt "
+                                     "(if any) is left unchanged")
+    assert "disk may be full" not in str(err.value) and err.value.errno == code
+    assert path.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["a.txt"]

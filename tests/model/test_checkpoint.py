@@ -133,7 +133,7 @@ def test_config_written_for_a_shallower_target_names_the_layer_counts(tmp_path, 
 @pytest.mark.parametrize("damage, message", [
     (lambda c: c.pop("hspec"), "has no 'hspec' section; was it written by save_drafter?"),
     (lambda c: c["hspec"]["target"].pop("vocab_size"), "hspec.target section is not a valid target geometry"),
-    (lambda c: c["hspec"].update(block_size=0), "invalid drafter config: block_size must be positive, got 0"),
+    (lambda c: c["hspec"].update(block_size=0), "invalid drafter config: block_size must be an integer in 1..64 (draft tokens per block), got 0"),
     (lambda c: c["hspec"].update(colour="red"), "invalid drafter config: unknown drafter config fields ['colour']"),
 ], ids=["no-hspec-section", "geometry-field-missing", "block-size-0", "unknown-field"])
 def test_invalid_config_fields_name_the_file(tmp_path, target, damage, message):

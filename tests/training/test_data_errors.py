@@ -96,3 +96,48 @@ def test_build_dataset_on_a_full_disk_keeps_the_previous_shards(tmp_path, monkey
         build_dataset(records=_records(300), out_dir=tmp_path, heldout_fraction=0.2)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file left either
     assert json.loads(before["build_stats.json"])["read"] == 30
+
+
+def _build_argv(out, *extra):
+    return ["data", "build", "--out", str(out), "--sharegpt", "0", "--code", "2", *extra]
+
+
+def test_hspec_data_build_out_that_cannot_exist_names_out_and_the_real_cause(tmp_path, capsys):
+    """--out under a file, or a file itself: refused before a record is read, with the cause (not a full disk)."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    assert main(_build_argv(blocker / "data")) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --out {blocker / 'data'} cannot be created: {blocker} is a "
+                                               "file, not a directory; pick another --out")
+    assert main(_build_argv(blocker)) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --out {blocker} cannot be created: {blocker} is a file, not a "
+                                               "directory; pick another --out")
+    assert sorted(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--heldout", "2"], "--heldout must be a fraction in [0, 1) (the held-out share, split by id hash), got 2.0"),
+    (["--code", "-1"], "--code must be >= 0 (records to add; 0: none), got -1"),
+    (["--code", "0"], "--sharegpt, --code and --math are all 0: nothing to build; give at least one a count"),
+    (["--code-root", "MISSING"], "--code-root MISSING does not exist; pass a directory of .py files (or drop it: the "
+                                 "stdlib)"),
+], ids=["heldout-2", "code-negative", "nothing", "code-root-missing"])
+def test_hspec_data_build_bad_flags_write_nothing(tmp_path, capsys, extra, message):
+    extra = [str(tmp_path / "nope") if a == "MISSING" else a for a in extra]
+    assert main(_build_argv(tmp_path / "data", *extra)) == 2
+    assert capsys.readouterr().err.strip() == "error: " + message.replace("MISSING", str(tmp_path / "nope"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_dataset_names_a_permission_error_not_a_full_disk(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    def refuse(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(OSError) as err:
+        build_dataset(records=_records(3), out_dir=tmp_path / "data")
+    assert str(err.value) == (f"out_dir {tmp_path / 'data'} cannot be created: permission denied: {tmp_path} is not "
+                              "writable by this user; pick another out_dir")
+    assert list(tmp_path.iterdir()) == []
