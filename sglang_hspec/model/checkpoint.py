@@ -59,9 +59,16 @@ def sglang_capture_ids(cfg: HSpecConfig) -> list[int]:
     return sorted(set(cfg.target_layer_ids))
 
 
-def config_json(model: DraftModel) -> dict:
+def config_json(model: DraftModel, dtype: torch.dtype | None = None) -> dict:
+    """The drafter's config.json. `dtype`: the dtype its weights are stored in (default: the model's), written
+    as `torch_dtype`, which SGLang's dtype resolution reads (`_get_and_verify_dtype`; without it SGLang assumes
+    float32, which `--dtype auto` turns into float16). SGLang serves the drafter in the target's dtype either
+    way (sglang_plugin/worker.py `draft_worker_class`)."""
     cfg = model.config
     t = cfg.target
+    if dtype is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.device.type != "meta"),
+                     torch.float32)
     rope = {"rope_theta": t.rope_theta, **{"rope_type": "default", **t.rope_scaling}}
     # The top level must read as a config of the target's family: SGLang loads the drafter's config.json
     # through transformers' AutoConfig (an unknown model_type such as "hspec" fails there), with DSpark's
@@ -80,6 +87,7 @@ def config_json(model: DraftModel) -> dict:
         "rope_parameters": rope,
         "max_position_embeddings": t.max_position_embeddings,
         "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "block_size": cfg.block_size,
         "num_target_layers": t.num_hidden_layers,
         "markov_rank": cfg.markov_rank,
@@ -107,7 +115,7 @@ def save_drafter(model: DraftModel, path: str | Path, dtype: torch.dtype | None 
             t = t.to(dtype)
         state[name] = t.contiguous().cpu()
     return write_checkpoint(path, state=state, metadata={"format": "pt", "kind": model.config.kind},
-                            config_text=json.dumps(config_json(model), indent=2) + "\n")
+                            config_text=json.dumps(config_json(model, dtype), indent=2) + "\n")
 
 
 def write_checkpoint(path: str | Path, *, state: dict[str, torch.Tensor], metadata: dict[str, str],

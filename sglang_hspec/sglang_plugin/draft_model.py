@@ -171,6 +171,7 @@ class HSpecDraftModel(nn.Module):
                                             draft_tokens=draft_tokens, markov_head=self.markov_head)
 
     # ---- context ----
+    @torch.no_grad()
     def project_context(self, hidden: torch.Tensor) -> torch.Tensor:
         """Captured target hidden rows [n, K*H] (SGLang's packing) -> context rows [n, fusion_rank]: the
         drafter's StateProjection up to its fused rank; `forward` applies the rank -> state step."""
@@ -228,6 +229,10 @@ class HSpecDraftModel(nn.Module):
         return float(layer.k_scale_float or 1.0), float(layer.v_scale_float or 1.0)
 
     # ---- forward: the block rows of a TARGET_VERIFY batch ----
+    # no_grad as SGLang's models carry it (Qwen2/Qwen3/LlamaForCausalLM.forward): SGLang's graph runner calls
+    # forward as is (runner/decode_cuda_graph_runner.py `capture_one_shape`), and in grad mode the Mamba block
+    # would pick the training scan (model/ssd.py `mamba_block`), which SGLang's environment does not have
+    @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
                 input_embeds: torch.Tensor | None = None, **_) -> LogitsProcessorOutput:
         """The drafter's block forward. The block is [anchor, mask x (block_size - 1)] at positions
@@ -254,6 +259,9 @@ class HSpecDraftModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_state_strict(self.drafter, dict(weights), what="the H-Spec drafter checkpoint (write it with save_drafter)")
         self._fill_confidence_head()
+        # inference weights, as SGLang's own layers create theirs (Parameter(..., requires_grad=False)): no call
+        # path, with or without grad mode, builds an autograd graph through them
+        self.requires_grad_(False)
         d = self.drafter
         if self.hspec_config.uses_mamba:  # choose (and log) the Mamba scan at startup: a missing kernel fails here
             scan_backend(device=d.d2t.device, needs_grad=False)

@@ -11,17 +11,28 @@ pool configurator's DFlash branch, the draft cell size, fused-draft placement); 
 reader is DeepSeek-V4 encoder replay, a target HSPEC refuses. The capture ids and
 `draft_model_config` (read by the DSpark worker's parallel layout) stay as they are.
 
+Qwen2 targets (`add_qwen2_capture`). SGLang 0.5.23's Qwen2ForCausalLM (Qwen2 and Qwen2.5 checkpoints) has
+EAGLE3's `set_eagle3_layers_to_capture` but not `set_dflash_layers_to_capture`, so the target runner's
+`configure_aux_hidden_state_capture` (model_runner_components/attention_backend_setup.py, called first thing in
+`ModelRunner.init_attention_backends`, before any CUDA graph is captured) raised for an HSPEC server. Its
+`Qwen2Model.forward` already captures the input of every layer in `layers_to_capture` (the EAGLE3 path, the
+same loop as Qwen3Model.forward), and Qwen2ForCausalLM.forward returns them with the logits once
+`capture_aux_hidden_states` is set. The BEFORE hook gives an HSPEC target's Qwen2ForCausalLM instance the
+method Qwen3ForCausalLM has, line for line; other models and servers are left to SGLang.
+
 Importing this module imports SGLang: call `install_hooks()` from `register()` only.
 """
 
 from __future__ import annotations
 
 import logging
+import types
 
 logger = logging.getLogger(__name__)
 
 AUX_HIDDEN_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.init_spec_aux_hidden_state"
 ALLOC_POOL_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool"
+INIT_BACKENDS_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends"
 
 _installed = False
 
@@ -83,6 +94,34 @@ def log_recovered_kv(result, runner, *args, **kwargs):
     return None
 
 
+def set_qwen2_dflash_layers_to_capture(model, layer_ids) -> None:
+    """Qwen3ForCausalLM.set_dflash_layers_to_capture (SGLang 0.5.23, models/qwen3.py) for a Qwen2ForCausalLM:
+    SGLang captures the input of layer i, so the output of target layer k is captured before layer k + 1."""
+    if not model.pp_group.is_last_rank:
+        return
+    if layer_ids is None:
+        raise ValueError("DFLASH requires explicit layer_ids for aux hidden capture.")
+    model.capture_aux_hidden_states = True
+    model.model.layers_to_capture = [val + 1 for val in layer_ids]
+    logger.info("HSPEC: Qwen2ForCausalLM captures target layers %s for the drafter (the inputs of decoder layers "
+                "%s)", list(layer_ids), model.model.layers_to_capture)
+
+
+def add_qwen2_capture(runner, *args, **kwargs):
+    """BEFORE ModelRunner.init_attention_backends: an HSPEC target that is SGLang's Qwen2ForCausalLM gets
+    `set_dflash_layers_to_capture` (bound to the instance), which SGLang then calls to set up the capture."""
+    if not _is_hspec_target(runner):
+        return None
+    model = runner.model
+    if hasattr(model, "set_dspark_layers_to_capture") or hasattr(model, "set_dflash_layers_to_capture"):
+        return None
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+
+    if isinstance(model, Qwen2ForCausalLM):
+        model.set_dflash_layers_to_capture = types.MethodType(set_qwen2_dflash_layers_to_capture, model)
+    return None
+
+
 def install_hooks() -> None:
     """Register the HSPEC hooks with SGLang's HookRegistry (applied by `load_plugins()`). Idempotent."""
     global _installed
@@ -92,4 +131,5 @@ def install_hooks() -> None:
 
     HookRegistry.register(AUX_HIDDEN_TARGET, drop_drafter_kv_reservation, HookType.AFTER)
     HookRegistry.register(ALLOC_POOL_TARGET, log_recovered_kv, HookType.AFTER)
+    HookRegistry.register(INIT_BACKENDS_TARGET, add_qwen2_capture, HookType.BEFORE)
     _installed = True

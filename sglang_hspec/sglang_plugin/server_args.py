@@ -141,9 +141,13 @@ def validate_server_args(server_args: Any) -> None:
     if int(getattr(server_args, "pp_size", 1) or 1) != 1:
         raise ValueError(f"HSPEC does not support pipeline parallelism (got --pp-size {server_args.pp_size}); "
                          "use --pp-size 1")
-    if getattr(server_args, "enable_dp_attention", False):
-        raise ValueError("HSPEC does not support DP attention (--enable-dp-attention): the drafter reads the "
-                         "target KV pool of its own rank; drop the flag")
+    attn_dp = int(getattr(server_args, "attn_dp_size", 1) or 1)
+    if getattr(server_args, "enable_dp_attention", False) or attn_dp > 1:
+        # SGLang folds --enable-dp-attention --dp-size N into attn_dp_size N before this check runs
+        # (arg_groups/parallel_hook.py `handle_deprecated_dp_attention`)
+        raise ValueError(f"HSPEC does not support DP attention (--enable-dp-attention / --attn-dp-size {attn_dp}): "
+                         "the drafter reads the target KV pool of its own rank; drop the flag (--dp-size N without "
+                         "it runs N independent replicas, which HSPEC serves)")
     if (getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
         raise ValueError("HSPEC does not support prefill/decode disaggregation yet; drop --disaggregation-mode")
     if getattr(server_args, "enable_unified_memory", False):
@@ -165,6 +169,15 @@ def validate_server_args(server_args: Any) -> None:
         geometry = target_geometry(raw)
     except ValueError as e:
         raise ValueError(f"HSPEC cannot serve target {server_args.model_path!s}: {e}") from e
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    if tp > 1:
+        heads = geometry.num_key_value_heads
+        raise ValueError(
+            f"HSPEC does not support tensor parallelism yet (got --tp-size {tp}, also spelled --tp): SGLang shards "
+            f"the target's {heads} KV heads over the {tp} ranks (each rank's KV pool holds {max(1, heads // tp)}), "
+            "and the drafter's attention, which reads the target's KV pool in place, needs all of them on every "
+            "rank. Serve with --tp-size 1 on a GPU that holds the target; for more GPUs add --dp-size N "
+            "(N independent replicas, each with every KV head)")
     check_drafter_json(server_args.speculative_draft_model_path)
     try:
         drafter = read_checkpoint_config(server_args.speculative_draft_model_path, geometry)

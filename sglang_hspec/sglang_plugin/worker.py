@@ -40,6 +40,7 @@ from sglang_hspec.model import hspec as _hspec_model
 from .context import ContextState, drafter_kv_bytes_saved, prefill_last_rows, verify_commit_rows
 from .lookup_splice import LOOKUP_ENV, lookup_enabled, splice_lookup_into_argmax_blocks
 from .plain_step import anchor_window, draw_anchor_bonus, plain_step_forward
+from .sglang_names import block_size_from_gamma
 from .speculation_policy import speculation_guard, speculation_policy
 from .speculation_switch import (
     AnchorOnlyPlanner,
@@ -102,6 +103,27 @@ def register_draft_model_class() -> None:
     ModelRegistry.models[ARCHITECTURE] = HSpecDraftModel
 
 
+def draft_worker_class(*, target_dtype: torch.dtype, server_dtype: str, base=None):
+    """The draft TpModelWorker class DSpark's worker builds the drafter with (`draft_worker_cls`): SGLang's own,
+    except that the drafter's model dtype is the target's. SGLang derives the draft's dtype from the drafter's
+    config.json alone (configs/model_config.py `_get_and_verify_dtype`: a float32 or unmarked checkpoint becomes
+    float16 under --dtype auto), while the drafter's attention reads the target's KV pool and its context rows
+    come from the target's hidden states, both in the target's dtype (the Triton kernel refuses fp16 queries
+    over a bf16 pool)."""
+    if base is None:
+        from sglang.srt.managers.tp_worker import TpModelWorker as base
+
+    class HSpecDraftTpWorker(base):
+        def _init_model_config(self):
+            super()._init_model_config()
+            derived = self.model_config.dtype
+            self.model_config.dtype = target_dtype  # read when the model is built (set_default_torch_dtype)
+            logger.info("HSPEC: drafter dtype %s (the target's; --dtype %s)%s", target_dtype, server_dtype,
+                        "" if derived == target_dtype else f"; SGLang would have loaded it as {derived}")
+
+    return HSpecDraftTpWorker
+
+
 class PrefillRows(NamedTuple):
     last_rows: torch.Tensor  # [bs] rows of the packed prefill capture
     req_pool_indices: torch.Tensor  # [bs]
@@ -161,6 +183,9 @@ class HSpecVerifyExecutor(TargetVerifyExecutor):
 class HSpecWorkerV2(DSparkWorkerV2):
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, **kwargs):
         register_draft_model_class()
+        kwargs["draft_worker_cls"] = draft_worker_class(
+            target_dtype=target_worker.model_runner.model_config.dtype,
+            server_dtype=str(getattr(server_args, "dtype", "auto")), base=kwargs.get("draft_worker_cls"))
         super().__init__(server_args, gpu_id, nccl_port, target_worker, **kwargs)
         allow_slow_cpu_steps(getattr(self, "_observers", None), self.device)
         if not self._hosts_draft:
@@ -178,7 +203,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
         self._switch: SpeculationSwitch | None = None
         greedy_drafts_for_greedy_batches(self._proposer)
         if lookup_enabled():  # prompt lookup spliced into argmax-drafted blocks (lookup_splice.py)
-            splice_lookup_into_argmax_blocks(self._proposer, block_size=int(self._proposer.gamma))
+            splice_lookup_into_argmax_blocks(self._proposer, block_size=block_size_from_gamma(self._proposer.gamma))
             logger.info("HSPEC: prompt lookup spliced into argmax-drafted blocks (%s=1)", LOOKUP_ENV)
         self._anchor_only_proposer = AnchorOnlyProposer(self._proposer)
         self._anchor_only_planner = AnchorOnlyPlanner(self._verify_planner, model_runner=self.model_runner)
@@ -246,7 +271,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
             return None
         costs, greedy_costs = (step_costs(verify_num_draft_tokens=self.verify_num_draft_tokens) if policy == "auto"
                                else (None, None))
-        switch = SpeculationSwitch(policy=policy, costs=costs, greedy_costs=greedy_costs, block_size=self.gamma,
+        switch = SpeculationSwitch(policy=policy, costs=costs, greedy_costs=greedy_costs, block_size=block_size_from_gamma(self.gamma),
                                    req_pool_size=req_pool_size,
                                    min_survival=self._verify_planner._schedule_cfg.survival_eps,
                                    guard=speculation_guard())

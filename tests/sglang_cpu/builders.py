@@ -84,8 +84,23 @@ def tiny_qwen3_config(**overrides):
     return Qwen3Config(**kw)
 
 
-def build_tiny_target(out: Path, *, seed: int = 0, logit_scale: int = 1) -> Path:
-    """Qwen3ForCausalLM, 2 layers, H=128, 4 q / 2 kv heads, head_dim 32, V=1024, bf16 (1.1 MB).
+def tiny_qwen2_config(**overrides):
+    """The tiny Qwen3 geometry as a Qwen2 model (q/k/v biases, no q/k norms; head_dim = 128 / 4 = 32)."""
+    from transformers import Qwen2Config
+
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-6,
+    )
+    kw.update(overrides)
+    return Qwen2Config(**kw)
+
+
+def build_tiny_target(out: Path, *, seed: int = 0, logit_scale: int = 1, family: str = "qwen3") -> Path:
+    """Qwen3ForCausalLM, 2 layers, H=128, 4 q / 2 kv heads, head_dim 32, V=1024, bf16 (1.1 MB); with
+    `family="qwen2"` the same geometry as a Qwen2ForCausalLM (tiny_qwen2_config).
 
     `logit_scale` (a power of two, so the bf16 weights scale exactly) multiplies the LM head: the target
     then samples at temperature T what the unscaled one samples at T / logit_scale, with the same greedy
@@ -96,7 +111,7 @@ def build_tiny_target(out: Path, *, seed: int = 0, logit_scale: int = 1) -> Path
         raise ValueError(f"logit_scale must be a power of two (exact in bf16), got {logit_scale}")
 
     def build(tmp: Path) -> None:
-        cfg = tiny_qwen3_config()
+        cfg = {"qwen3": tiny_qwen3_config, "qwen2": tiny_qwen2_config}[family]()
         # std 0.2 instead of 0.02: peaked next-token distributions, so greedy ties (and bf16 near-ties)
         # are rare and a wrong token shows up quickly.
         cfg.initializer_range = 0.2

@@ -58,9 +58,10 @@ def sglang_server(tmp_path):
     started = []
 
     def launch(model_path, *, args=(), plugins=(cpu_server.CPU_PLUGIN_ENTRY,), env_extra=None, name="server",
-               max_total_tokens=4096):
+               max_total_tokens=4096, dtype="float32"):
         srv = cpu_server.launch(model_path, log_path=tmp_path / f"{name}.log", args=list(args),
-                                plugins=tuple(plugins), env_extra=env_extra, max_total_tokens=max_total_tokens)
+                                plugins=tuple(plugins), env_extra=env_extra, max_total_tokens=max_total_tokens,
+                                dtype=dtype)
         started.append(srv)
         return srv
 

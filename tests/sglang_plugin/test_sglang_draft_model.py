@@ -71,6 +71,27 @@ def test_config_reads_as_the_targets_family(checkpoints):
     assert type(cfg).__name__ == "Qwen3Config" and cfg.num_hidden_layers == 4 and cfg.hspec["block_size"] == 3
 
 
+def test_config_names_the_stored_dtype(checkpoints, tmp_path):
+    """config.json carries the dtype of the weights save_drafter stored (SGLang's `_get_and_verify_dtype`
+    reads it; absent, it assumes float32), for the default and for an explicit save dtype."""
+    from sglang_cpu import builders
+    from transformers import AutoConfig
+
+    from sglang_hspec.model.checkpoint import load_drafter, read_checkpoint_weights, save_drafter
+    from sglang_hspec.target.geometry import TargetGeometry
+
+    target_dir, draft = checkpoints
+    raw = json.loads((draft / "config.json").read_text())
+    stored = {t.dtype for t in read_checkpoint_weights(draft).values() if t.is_floating_point()}
+    assert stored == {torch.float32} and raw["torch_dtype"] == "float32"
+    target = builders.load_target(target_dir)
+    model = load_drafter(draft, TargetGeometry.from_hf_config(target.config), target.get_input_embeddings(),
+                         target.lm_head)
+    save_drafter(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert AutoConfig.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16  # what SGLang reads
+
+
 @torch.no_grad()
 def test_adapter_reproduces_the_reference_drafter_on_a_paged_pool(checkpoints, monkeypatch):
     from sglang_cpu import builders

@@ -142,6 +142,34 @@ def test_unsupported_parallel_modes_are_rejected(ckpts, kw, match):
         sa.validate_server_args(_args(ckpts, **kw))
 
 
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tensor_parallelism_is_refused_before_any_weight_loads(ckpts, tp_size):
+    """With --tp-size N each rank's KV pool holds num_key_value_heads / N of the target's KV heads, and the
+    drafter's attention reads all of them (its query heads are not sharded): refused with the reason and
+    the fix, at argument validation, not in the scheduler after the weights load."""
+    with pytest.raises(ValueError) as e:
+        sa.validate_server_args(_args(ckpts, tp_size=tp_size))
+    msg = str(e.value)
+    assert f"--tp-size {tp_size}" in msg and "--tp" in msg  # the flag, as either spelling
+    assert "KV heads" in msg and "2 KV heads" in msg  # the reason, with the target's count
+    assert "--tp-size 1" in msg and "--dp-size" in msg  # the fix: one GPU per replica, replicas by data parallelism
+
+
+@pytest.mark.parametrize("kw", [{"dp_size": 2}, {"dp_size": 4, "tp_size": 1}])
+def test_data_parallel_replicas_are_accepted(ckpts, kw):
+    """--dp-size N without DP attention: SGLang 0.5.23's DataParallelController starts N independent
+    schedulers (launch_dp_schedulers), each its own TP group with the whole model, so each replica's drafter
+    reads its own pool with every KV head."""
+    sa.validate_server_args(_args(ckpts, **kw))
+
+
+def test_attention_data_parallelism_is_refused(ckpts):
+    """SGLang folds --enable-dp-attention --dp-size N into attn_dp_size N (handle_deprecated_dp_attention runs
+    before the HSPEC checks), so the check reads attn_dp_size."""
+    with pytest.raises(ValueError, match="DP attention.*--attn-dp-size 2"):
+        sa.validate_server_args(_args(ckpts, attn_dp_size=2))
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16", "fp8_e4m3", "fp8_e5m2"])
 def test_kv_cache_dtypes_the_drafter_reads_are_accepted(ckpts, kv_cache_dtype):
     sa.validate_server_args(_args(ckpts, kv_cache_dtype=kv_cache_dtype))
