@@ -3,12 +3,24 @@
 # the CPU float64 reference, CUDA-graph capture of propose, planner without host syncs. Needs only this
 # repo and the machine's own Python (torch with CUDA; SGLang and mamba_ssm where installed, or their Triton
 # kernels staged into .gpu/ by scripts/gpu_stage.sh on a machine with the package index: a missing kernel
-# fails its item, it is never skipped). Results under $OUT (gpu_check.json, gpu_check.log); ends
+# fails its item, it is never skipped). The serving path too: the paged Triton attention kernel over an
+# SGLang-layout pool (page sizes 1 / 16, bf16 / fp8 KV), HSpecDraftModel.forward captured in a CUDA graph and
+# replayed as SGLang's graph runner calls it (grad mode on), the switch's read-back without a host sync; the
+# device's torch / Triton versions are printed first. Results under $OUT (gpu_check.json, gpu_check.log); ends
 # within 8 minutes. Exit 0 all passed, 1 a check failed, 2 no CUDA device (a CPU-only run always fails).
+# `scripts/gpu_check.sh --dry-run` runs anywhere (.venv-sglang: Triton's interpreter): the imports and the
+# checks that need no GPU; the CUDA-only ones are listed as not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check_out}"
 mkdir -p "$OUT"
+if [ "${1:-}" = "--dry-run" ]; then
+  PY="${PYTHON:-$(pwd)/.venv-sglang/bin/python}"
+  echo "gpu_check: dry run with $PY" | tee "$OUT/gpu_check.log"
+  TRITON_INTERPRET=1 PYTHONPATH="$(pwd):${PYTHONPATH:-}" timeout --kill-after=10 470 "$PY" scripts/gpu_check.py \
+    --dry-run --out "$OUT" 2>&1 | tee -a "$OUT/gpu_check.log"
+  exit "${PIPESTATUS[0]}"
+fi
 # an interpreter whose torch sees CUDA: $PYTHON, else the first of these that does
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then

@@ -11,7 +11,10 @@
 #       under package stubs. SGLang's 39 MB wheel does not fit beside this repo's checkpoint, and its package
 #       __init__s import the whole server (pydantic, zmq, ...), which that machine lacks. The kernel imports
 #       one helper, is_arch_support_pdl, from SGLang's JIT utilities: a stub computes it as SGLang does.
-# gpu_check.sh installs the wheels into a temporary folder and puts .gpu/site on PYTHONPATH.
+# gpu_check.sh installs the wheels into a temporary folder and puts .gpu/site on PYTHONPATH. Its serving-path
+# checks need nothing more: HSpecDraftModel's seven SGLang imports (a result dataclass, marker classes, heads
+# its forward never calls) get stand-ins in scripts/gpu_check.py `_import_draft_model` under these package
+# stubs; transformers and safetensors (config.json, model.safetensors) are the machine's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
