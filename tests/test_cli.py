@@ -60,3 +60,24 @@ def test_demo_prints_side_by_side_table(embedded_dir, capsys, tmp_path):
     assert [r["drafter"] for r in rows] == ["none", "ngram"]
     assert rows[0]["speedup"] == 1.0 and all(r["identical_to_plain"] for r in rows)
     assert rows[0]["tokens"] == rows[1]["tokens"] == 32
+
+
+def test_bad_hspec_environment_variables_are_named(tmp_path, monkeypatch, capsys):
+    """HSPEC_TRAIN_THREADS that is not a count, HSPEC_CACHE_DIR that names a file: the variable, the value and
+    the fix, before a target loads or a run directory is made."""
+    from sglang_hspec.assets.embedded import default_cache_dir
+
+    monkeypatch.setenv("HSPEC_TRAIN_THREADS", "abc")
+    run = tmp_path / "run"
+    assert main(["train", "--config", "configs/train_tiny.yaml", "--no-progress", f"training.output_dir={run}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: HSPEC_TRAIN_THREADS='abc' must be a whole number >= 1 (torch threads per process), or unset (all cores)")
+    assert not run.exists()
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    monkeypatch.setenv("HSPEC_CACHE_DIR", str(blocker))
+    with pytest.raises(ValueError) as err:
+        default_cache_dir()
+    assert str(err.value) == (f"HSPEC_CACHE_DIR={blocker} is a file, not a directory: point it at a directory (or "
+                              "unset it for ~/.cache/sglang-hspec)")
+    assert blocker.read_text() == "x"
