@@ -17,7 +17,8 @@ query row, so a row's result does not depend on how many tokens share its forwar
 masked key columns follow its own. Hugging Face's SDPA path does: a one-token decode packs the GQA
 groups into the query axis while an 8-token verify repeats K/V, and in bf16 the two differ by an
 ulp often enough to flip a greedy near-tie. Linear layers are left as they are: see
-`linear_rows_are_batch_invariant` (docs/results.md, "bf16 greedy identity").
+`linear_rows_are_batch_invariant`; target/row_invariant.py pads the ones whose lone row takes another kernel
+and keeps SDPA for prefills (docs/results.md, "bf16 greedy identity").
 """
 
 from __future__ import annotations
@@ -272,8 +273,8 @@ class TargetAdapter:
         # looked up once (every decode step passes it); fails now on a model that takes no KV cache
         self._cache_arg = cache_kwarg(model)
         self.batch_invariant = bool(batch_invariant)
-        # whether this machine's linear layers are row-invariant too (load_target checks it with the mode; None: unchecked)
-        self.linear_rows_invariant: bool | None = None
+        # set by target/row_invariant.make_row_invariant: whether a verify now matches one-token decodes bit for bit
+        self.row_invariant: bool | None = None
         if self.batch_invariant:  # the model object itself switches: every forward of it, ours or not
             _register_batch_invariant_attention()
             model.set_attn_implementation(BATCH_INVARIANT_ATTENTION)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sglang_hspec.target.adapter import TargetAdapter, linear_rows_are_batch_invariant, linear_shapes
+from sglang_hspec.target.adapter import TargetAdapter
 from sglang_hspec.target.dtypes import resolve_dtype
 
 TARGET_SPECS = ("embedded", "tiny", "<local Hugging Face model directory>")
@@ -40,12 +40,19 @@ def resolve_device(name: str, *, flag: str = "--device") -> torch.device:
 
 
 def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-                tiny_kwargs: dict[str, Any] | None = None, batch_invariant: bool = False,
+                tiny_kwargs: dict[str, Any] | None = None, batch_invariant: bool | str = False,
                 workload: str = "decode") -> TargetAdapter:
     """A `TargetAdapter` over the frozen (eval, no grad) target named by `spec` (see module docstring).
     `dtype` 'auto' picks bf16 only where this device computes it faster than fp32 for `workload` ('decode':
     the engine at small batches; 'batch': training and regeneration; target/dtypes.py);
-    `batch_invariant` runs its attention batch-invariantly (target/adapter.py)."""
+    `batch_invariant` ('on' / True, 'auto', 'off' / False) switches the target to row-invariant inference
+    (target/row_invariant.py: a verify forward gives every position the bits a one-token decode gives, so greedy
+    speculation is token-identical to plain decoding) where this machine allows it; 'auto' does so for bf16 /
+    fp16 on a CPU, the dtypes whose rounding flips near-ties. Where the machine does not allow it, one line
+    says so and the target keeps its fast path."""
+    mode = {True: "on", False: "off"}.get(batch_invariant, batch_invariant)
+    if mode not in BATCH_INVARIANT_MODES:
+        raise ValueError(f"--batch-invariant {batch_invariant!r}: choose one of {', '.join(BATCH_INVARIANT_MODES)}")
     spec = _ALIASES.get(str(spec), str(spec))
     device = torch.device(device)
     dt = resolve_dtype(dtype, device.type, workload=workload)
@@ -71,17 +78,20 @@ def load_target(spec: str = "embedded", *, dtype: str | torch.dtype = "auto", de
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.eval().requires_grad_(False)
-    adapter = TargetAdapter(model, tokenizer=tokenizer, batch_invariant=batch_invariant)
-    if batch_invariant:
-        # the mode makes attention invariant; the linear layers are the GEMM library's, so look at this machine's
-        adapter.linear_rows_invariant = linear_rows_are_batch_invariant(dtype=dt, shapes=linear_shapes(model),
-                                                                        device=device)
-        if not adapter.linear_rows_invariant:
-            print(f"warning: --batch-invariant: this machine's {str(dt).replace('torch.', '')} linear layers give a row "
-                  "other bits when other rows share the product, so the mode makes the target's attention invariant "
-                  "only, and greedy speculation can still differ from plain decoding where the target's top two logits "
-                  "are within one rounding step (docs/results.md, 'bf16 greedy identity')", file=sys.stderr)
+    adapter = TargetAdapter(model, tokenizer=tokenizer)
+    if mode == "on" or (mode == "auto" and device.type == "cpu" and dt in (torch.bfloat16, torch.float16)):
+        from sglang_hspec.target.row_invariant import make_row_invariant
+
+        if make_row_invariant(adapter):
+            adapter.batch_invariant = True
+        else:
+            print(f"note: greedy speculation may differ from plain decoding where the target's top two logits are "
+                  f"within one {str(dt).replace('torch.', '')} rounding step: this machine's GEMM is not row-invariant "
+                  "(--dtype fp32 is exact; docs/results.md, 'bf16 greedy identity')", file=sys.stderr)
     return adapter
+
+
+BATCH_INVARIANT_MODES = ("auto", "on", "off")
 
 
 def load_tokenizer(spec: str = "embedded"):

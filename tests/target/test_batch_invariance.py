@@ -122,25 +122,6 @@ def test_linear_shapes_of_the_tiny_target_by_hand():
     assert linear_shapes(tiny_target("llama", num_layers=2)) == ((64, 64), (64, 32), (64, 128), (128, 64))
 
 
-@pytest.mark.parametrize("invariant", [False, True])
-def test_batch_invariant_loading_says_when_the_linear_layers_are_not(monkeypatch, capsys, invariant):
-    from sglang_hspec.target import loading
-
-    asked = []
-
-    def probe(*, dtype, shapes, device):
-        asked.append((dtype, shapes))
-        return invariant
-
-    monkeypatch.setattr(loading, "linear_rows_are_batch_invariant", probe)
-    adapter = loading.load_target("tiny", dtype="bf16", batch_invariant=True)
-    assert asked == [(torch.bfloat16, ((64, 64), (64, 32), (64, 128), (128, 64)))]  # the target's own shapes
-    assert adapter.linear_rows_invariant is invariant
-    warned = "--batch-invariant: this machine's bfloat16 linear layers give a row other bits" in capsys.readouterr().err
-    assert warned is not invariant
-    assert loading.load_target("tiny", dtype="bf16").linear_rows_invariant is None and len(asked) == 1
-
-
 def test_verify_forward_equals_one_token_decodes_bitwise_in_bf16():
     if not linear_rows_are_batch_invariant(dtype=torch.bfloat16, shapes=((64, 128), (128, 64))):
         pytest.skip("this CPU's bf16 GEMM gives a row different bits with other rows present; the mode makes "
