@@ -187,6 +187,7 @@ class SpeculativeEngine:
         confidence_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         confidence_recorder=None,
         eos_token_ids: Sequence[int] | None = None,
+        tree=None,
     ):
         self.adapter = adapter
         self.drafter = drafter
@@ -199,6 +200,16 @@ class SpeculativeEngine:
         # raw confidence logits [B, block_size] -> per-slot probabilities (STS-calibrated when given)
         self.confidence_transform = confidence_transform or torch.sigmoid
         self.confidence_recorder = confidence_recorder
+        # tree verification (engine/tree.py, a TreeSpec): every step verifies a tree built from one drafter
+        # forward instead of the policy's chain, and commits the accepted path
+        self.tree = None
+        if tree is not None:
+            from sglang_hspec.engine.tree import TreeVerifier
+
+            if not isinstance(policy, FixedVerifyPolicy):
+                raise ValueError(f"tree verification sizes each step's tree by the confidences itself; it takes "
+                                 f"--policy fixed, not {type(policy).__name__}")
+            self.tree = TreeVerifier(adapter, drafter, spec=tree, confidence_transform=self.confidence_transform)
         self._generate_calls = 0
         self.eos_token_ids = eos_token_ids_of(adapter, eos_token_ids)
 
@@ -243,7 +254,8 @@ class SpeculativeEngine:
         adapter, device = self.adapter, self.adapter.device
         n = len(prompts)
         longest = max(len(p) for p in prompts)
-        adapter.reset(n, capacity=longest + sampling.max_new_tokens + self.drafter.block_size + 2)
+        rows_per_step = self.tree.spec.max_rows if self.tree is not None else self.drafter.block_size
+        adapter.reset(n, capacity=longest + sampling.max_new_tokens + rows_per_step + 2)
         hidden_layer_ids = list(self.drafter.target_layer_ids)
         start_seconds = time.perf_counter()
         extend_context = getattr(self.drafter, "extend_context", None)
@@ -277,6 +289,8 @@ class SpeculativeEngine:
         """One step over the active rows: draft, verify and accept, commit or roll back, record and emit."""
         idx = run.active.nonzero().squeeze(-1)
         rows = idx.to(self.adapter.device)
+        if self.tree is not None:
+            return self._tree_step(run, idx, rows)
         drafts = self._draft(run, idx, rows)
         block = torch.cat([run.anchors[rows][:, None], drafts.tokens], dim=1)
         num_accepted, next_tokens, out = self._verify(run, block, drafts, rows)
@@ -286,6 +300,32 @@ class SpeculativeEngine:
                                 num_accepted=num_accepted[drafts.drafted])
         self._commit(run, rows, drafts, num_accepted, next_tokens, out)
         self._record_step(run, idx, block, drafts, num_accepted, next_tokens)
+
+    def _tree_step(self, run: _Generation, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """Tree verification's step: draft once, verify the tree, commit the accepted path, emit."""
+        adapter = self.adapter
+        ctx = DraftContext(
+            anchor_tokens=run.anchors[rows], last_position=adapter.lengths[rows] - 1,
+            target_hidden=None if run.last_hidden is None else run.last_hidden[rows],
+            kv_views={lid: adapter.kv_view(lid, window=self.drafter.sliding_window, rows=rows)
+                      for lid in self.drafter.kv_layer_ids},
+            token_history=[run.histories[i] for i in idx.tolist()], row_ids=rows)
+        # never verify deeper than can still be emitted (the next token counts too)
+        max_depths = [max(0, run.sampling.max_new_tokens - len(run.results[i].output_ids) - 1) for i in idx.tolist()]
+        trees, out = self.tree.step(ctx, run.sampling, run.generator, rows=rows, max_depths=max_depths)
+        if out.last_hidden is not None:
+            if run.last_hidden is None:
+                run.last_hidden = out.last_hidden.new_zeros((run.active.shape[0], *out.last_hidden.shape[1:]))
+            run.last_hidden[rows] = out.last_hidden
+        for j, i in enumerate(idx.tolist()):
+            accepted = out.accepted_tokens[j]
+            st = run.results[i].stats
+            st.accept_lengths.append(len(accepted) + 1)
+            st.verify_lengths.append(len(trees[j]) - 1)
+            run.histories[i].append(int(run.anchors[i]))
+            run.histories[i].extend(accepted)
+            run.anchors[i] = out.next_tokens[j]
+            self._emit(run.results[i], accepted + [int(out.next_tokens[j])], run.sampling, run.histories, run.active)
 
     def _draft(self, run: _Generation, idx: torch.Tensor, rows: torch.Tensor) -> _Drafts:
         """The policy's choice of the rows that draft, their proposals, and the verify length of every row
@@ -450,3 +490,17 @@ class SpeculativeEngine:
             return
         self.confidence_recorder.add(logits[keep.to(logits.device)].float().cpu(), num_accepted[keep].cpu(),
                                      verify_lengths=verify_lengths[keep].cpu())
+
+
+def generate_tree(adapter: TargetAdapter, drafter: Drafter, prompts: Sequence[Sequence[int]],
+                  sampling: SamplingParams = SamplingParams(), *, spec=None,
+                  confidence_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  eos_token_ids: Sequence[int] | None = None) -> list[GenerationResult]:
+    """Speculative decoding with tree verification (`SpeculativeEngine(..., tree=spec)`, engine/tree.py; spec None:
+    the default `TreeSpec`): greedy is token-identical to plain decoding and sampling follows the target's law;
+    stats.accept_lengths are the tokens committed per step and stats.verify_lengths the draft rows verified."""
+    from sglang_hspec.engine.tree import TreeSpec
+
+    engine = SpeculativeEngine(adapter, drafter, confidence_transform=confidence_transform,
+                               eos_token_ids=eos_token_ids, tree=TreeSpec() if spec is None else spec)
+    return engine.generate(prompts, sampling)

@@ -47,16 +47,14 @@ earlier draws (which may decide it: a sibling is "the best token other than the 
 verified as a point mass. tests/engine/test_tree_acceptance.py checks the output law with a chi-square
 test and shows it fails for three wrong rules (its docstring gives the power); docs/tree.md.
 
-`generate_tree` is a self-contained generate loop over these pieces (batch >= 1, EOS, stop strings,
-max_new_tokens) for drafters without a drafter-side cache; `TreeVerifier.step` is the one call a
-generate loop needs per step.
+`SpeculativeEngine(..., tree=TreeSpec(...))` (engine/engine.py) runs these pieces as its step
+(`TreeVerifier.step`, the one call per step) for drafters without a drafter-side cache.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -65,7 +63,6 @@ import torch
 from sglang_hspec.core.sampling import sample_from, sampling_probs
 from sglang_hspec.core.types import DraftContext, SamplingParams
 from sglang_hspec.engine.drafters import LOOKUP_CONFIDENCE, LookupSpliceDrafter, PromptLookup
-from sglang_hspec.engine.engine import GenerationResult, RequestStats, eos_token_ids_of, with_texts
 from sglang_hspec.target.adapter import TargetAdapter
 
 # verify rows per request by default: on an AMX Xeon a bf16 verify of 16 rows costs 82.5 ms against 74.2 ms
@@ -471,106 +468,3 @@ class TreeVerifier:
         out = verify_trees(self.adapter, trees, rows=rows, sampling=sampling, generator=generator,
                            hidden_layer_ids=list(self.drafter.target_layer_ids))
         return trees, out
-
-
-# ---------------------------------------------------------------- generate loop
-
-
-def generate_tree(adapter: TargetAdapter, drafter, prompts: Sequence[Sequence[int]],
-                  sampling: SamplingParams = SamplingParams(), *, spec: TreeSpec = TreeSpec(),
-                  confidence_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  eos_token_ids: Sequence[int] | None = None) -> list[GenerationResult]:
-    """Speculative decoding with tree verification, batched: the same results as
-    `SpeculativeEngine.generate` (greedy: token-identical to plain decoding; sampling: the target's law),
-    stats.accept_lengths the tokens committed per step and stats.verify_lengths the draft rows verified."""
-    prompts = [list(map(int, p)) for p in prompts]
-    verifier = TreeVerifier(adapter, drafter, spec=spec, confidence_transform=confidence_transform)
-    block_size = drafter.block_size
-    results = [GenerationResult(i, p, [], "length", RequestStats(block_size=block_size))
-               for i, p in enumerate(prompts)]
-    _validate(adapter, prompts, sampling)
-    if not prompts or sampling.max_new_tokens == 0:
-        return with_texts(results, adapter.tokenizer)
-    eos = eos_token_ids_of(adapter, eos_token_ids)
-    generator = None if sampling.seed is None else torch.Generator(device=adapter.device).manual_seed(sampling.seed)
-    drafter.reset()
-    device = adapter.device
-    n = len(prompts)
-    adapter.reset(n, capacity=max(len(p) for p in prompts) + sampling.max_new_tokens + spec.max_rows + 2)
-    hidden_ids = list(drafter.target_layer_ids)
-    t_start = time.perf_counter()
-    out = adapter.prefill(prompts, hidden_layer_ids=hidden_ids, last_hidden_only=True)
-    anchors = sample_from(sampling_probs(out.logits[:, 0], sampling), generator)
-    last_hidden = out.hidden[:, 0] if out.hidden is not None else None
-    prefill_seconds = time.perf_counter() - t_start
-    histories = [list(p) for p in prompts]
-    active = torch.ones(n, dtype=torch.bool)
-    for i in range(n):
-        results[i].stats.prefill_seconds = prefill_seconds
-        _emit(results[i], [int(anchors[i])], sampling, eos, active, adapter.tokenizer)
-    while bool(active.any()):
-        idx = active.nonzero().squeeze(-1)
-        ridx = idx.to(device)
-        ctx = DraftContext(
-            anchor_tokens=anchors[ridx],
-            last_position=adapter.lengths[ridx] - 1,
-            target_hidden=None if last_hidden is None else last_hidden[ridx],
-            kv_views={lid: adapter.kv_view(lid, window=drafter.sliding_window, rows=ridx)
-                      for lid in drafter.kv_layer_ids},
-            token_history=[histories[i] for i in idx.tolist()],
-            row_ids=ridx,
-        )
-        # never verify deeper than can still be emitted (the next token counts too)
-        max_depths = [max(0, sampling.max_new_tokens - len(results[i].output_ids) - 1) for i in idx.tolist()]
-        trees, step = verifier.step(ctx, sampling, generator, rows=ridx, max_depths=max_depths)
-        if step.last_hidden is not None:
-            last_hidden[ridx] = step.last_hidden
-        for j, i in enumerate(idx.tolist()):
-            accepted = step.accepted_tokens[j]
-            st = results[i].stats
-            st.accept_lengths.append(len(accepted) + 1)
-            st.verify_lengths.append(len(trees[j]) - 1)
-            histories[i].append(int(anchors[i]))
-            histories[i].extend(accepted)
-            anchors[i] = step.next_tokens[j]
-            _emit(results[i], accepted + [int(step.next_tokens[j])], sampling, eos, active, adapter.tokenizer)
-    wall = time.perf_counter() - t_start
-    for r in results:
-        r.stats.wall_seconds = wall
-    return with_texts(results, adapter.tokenizer)
-
-
-def _validate(adapter: TargetAdapter, prompts: list[list[int]], sampling: SamplingParams) -> None:
-    vocab, limit = adapter.geometry.vocab_size, adapter.max_context
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty: give at least one token (e.g. the chat template's prefix)")
-        if min(p) < 0 or max(p) >= vocab:
-            raise ValueError(f"prompt {i} holds token ids outside the target vocabulary [0, {vocab})")
-        if len(p) + sampling.max_new_tokens > limit:
-            raise ValueError(f"prompt {i} + max_new_tokens = {len(p) + sampling.max_new_tokens} exceeds the "
-                             f"target's context of {limit}: lower max_new_tokens")
-
-
-def _emit(result: GenerationResult, tokens: list[int], sampling: SamplingParams, eos: set[int],
-          active: torch.Tensor, tokenizer) -> None:
-    """Append tokens, honouring EOS, stop strings and max_new_tokens inside a step (as the chain engine)."""
-    for t in tokens:
-        if not sampling.ignore_eos and t in eos:
-            result.finish_reason = "eos"
-            active[result.index] = False
-            return
-        result.output_ids.append(t)
-        if sampling.stop:
-            if tokenizer is None:
-                raise ValueError("stop strings need a tokenizer: build the TargetAdapter with tokenizer=...")
-            longest = max(len(s) for s in sampling.stop)
-            tail = tokenizer.decode(result.output_ids[-(longest + 8):], skip_special_tokens=False)
-            if any(s in tail for s in sampling.stop):
-                result.finish_reason = "stop"
-                active[result.index] = False
-                return
-        if len(result.output_ids) >= sampling.max_new_tokens:
-            result.finish_reason = "length"
-            active[result.index] = False
-            return

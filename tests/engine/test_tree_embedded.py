@@ -7,9 +7,9 @@ import pytest
 from sglang_hspec.assets.prompts import chat_input_ids, load_prompts
 from sglang_hspec.core.types import SamplingParams
 from sglang_hspec.engine.drafters import NoDrafter
-from sglang_hspec.engine.engine import SpeculativeEngine
+from sglang_hspec.engine.engine import SpeculativeEngine, generate_tree
 from sglang_hspec.engine.loading import SHIPPED_DRAFTER_DIR, load_drafter_spec
-from sglang_hspec.engine.tree import TreeSpec, generate_tree
+from sglang_hspec.engine.tree import TreeSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

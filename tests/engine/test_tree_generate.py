@@ -4,7 +4,6 @@ branch = the drafter's own chain, row and depth limits, min_value), EOS and max_
 the chain engine, and at T > 0 the law of the first tokens against plain sampling's exact law (the setup of
 test_sampling_lossless.py)."""
 
-import itertools
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ import torch
 from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.core.types import DraftContext, SamplingParams
 from sglang_hspec.engine.drafters import LookupSpliceDrafter, NGramDrafter, NoDrafter
-from sglang_hspec.engine.engine import SpeculativeEngine
-from sglang_hspec.engine.tree import TreeSpec, build_trees, generate_tree
+from sglang_hspec.engine.engine import SpeculativeEngine, generate_tree
+from sglang_hspec.engine.tree import TreeSpec, build_trees
 from sglang_hspec.target.adapter import TargetAdapter
 from tests.engine._drafters import hf_greedy
 from tests.model._tiny import make_drafter
@@ -136,9 +135,16 @@ def test_sampled_tree_follows_plain_sampling_law():
     """Prefix laws m = 1..NUM_TOKENS of the tree engine's outputs against plain sampling's exact law (tiny
     4-token target, random H-Spec drafter with a real Markov head, block 3; 4000 samples, family-wise 1e-3).
     Tokens 2..4 come from the first step's tree, where a point-mass sibling or a residual draw decides."""
-    from tests.engine.test_sampling_lossless import (LEVEL, NUM_TOKENS, PROMPT, make_drafter as lossless_drafter,
-                                                     marginal, pearson, plain_sampling_law, target as _t)  # noqa
-    from tests.engine.test_sampling_lossless import VOCAB
+    from tests.engine.test_sampling_lossless import (
+        LEVEL,
+        NUM_TOKENS,
+        PROMPT,
+        VOCAB,
+        marginal,  # noqa
+        pearson,
+        plain_sampling_law,
+    )
+    from tests.engine.test_sampling_lossless import make_drafter as lossless_drafter
     target = tiny_target("llama", vocab_size=VOCAB, num_layers=5, hidden_size=16, num_heads=2, num_kv_heads=1,
                          head_dim=8, intermediate_size=32, seed=7)
     params = SamplingParams(temperature=1.0, max_new_tokens=NUM_TOKENS, ignore_eos=True, seed=21)

@@ -77,7 +77,7 @@ def test_tree_logits_equal_chain_of_each_path_and_commit_equals_chain_cache(arch
         path[j, :len(paths[r])] = torch.tensor(paths[r])
         lengths[j] = len(paths[r])
     adapter.commit_path(path, path_lengths=lengths, rows=torch.tensor(ROWS))
-    for j, r in enumerate(ROWS):
+    for r in ROWS:
         t, _ = TREES[r]
         accepted = [t[n] for n in paths[r]]
         n = len(PROMPTS[r]) + len(accepted)
