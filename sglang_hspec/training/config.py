@@ -108,19 +108,19 @@ class SyntheticData(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> SyntheticData:
-        k = "data.synthetic."
-        _at_least(k + "num_sequences", self.num_sequences, 1, "sequences to generate")
-        _at_least(k + "seq_len", self.seq_len, 3, "tokens per sequence")
-        _at_least(k + "vocab_low", self.vocab_low, 0, "the smallest token id used")
+        prefix = "data.synthetic."
+        _at_least(prefix + "num_sequences", self.num_sequences, 1, "sequences to generate")
+        _at_least(prefix + "seq_len", self.seq_len, 3, "tokens per sequence")
+        _at_least(prefix + "vocab_low", self.vocab_low, 0, "the smallest token id used")
         if self.vocab_high <= self.vocab_low:
             raise ValueError(f"data.synthetic.vocab_high ({self.vocab_high}) must be above data.synthetic.vocab_low "
                              f"({self.vocab_low}): token ids are drawn from vocab_low..vocab_high-1")
-        _at_least(k + "motif_len", self.motif_len, 1, "tokens per motif")
-        _at_least(k + "num_motifs", self.num_motifs, 1, "distinct motifs")
+        _at_least(prefix + "motif_len", self.motif_len, 1, "tokens per motif")
+        _at_least(prefix + "num_motifs", self.num_motifs, 1, "distinct motifs")
         if not 1 <= self.prompt_len < self.seq_len:
             raise ValueError(f"data.synthetic.prompt_len must be in 1..seq_len-1 = 1..{self.seq_len - 1} (tokens "
                              f"outside the loss mask at the start), got {self.prompt_len}")
-        _at_least(k + "seed", self.seed, 0, "the generator's seed")
+        _at_least(prefix + "seed", self.seed, 0, "the generator's seed")
         return self
 
 

@@ -174,7 +174,8 @@ def test_trainer_reads_a_packed_directory(tmp_path, tokenizer):
                 progress=False)
 
     def cfg(path):
-        return TrainConfig.model_validate({"model": {"kind": "hspec", "target": "embedded", "target_layer_ids": [1, 8]},
+        return TrainConfig.model_validate({"model": {"kind": "hspec", "target": "embedded",
+                                                     "target_layer_ids": [1, 8, 15, 22, 28]},
                                            "data": {"train_path": str(path), "max_length": 64,
                                                     "tokenized_cache": False},
                                            "training": {"max_steps": 1, "output_dir": str(tmp_path / "run")}})
