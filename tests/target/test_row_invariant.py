@@ -88,14 +88,54 @@ def test_the_mode_leaves_a_machine_it_cannot_fix_as_it_was(monkeypatch):
 
 def test_prefills_keep_sdpa_and_short_forwards_run_the_invariant_attention(monkeypatch):
     calls = []
-    monkeypatch.setattr(ri, "batch_invariant_attention", lambda *a, **k: calls.append("invariant") or (a[1], None))
+    monkeypatch.setattr(ri, "batch_invariant_attention", lambda *a, **k: calls.append("sequential") or (a[1], None))
+    monkeypatch.setattr(ri, "gemm_attention", lambda *a, **k: calls.append("gemm") or a[0])
     import transformers.integrations.sdpa_attention as sdpa
 
     monkeypatch.setattr(sdpa, "sdpa_attention_forward", lambda *a, **k: calls.append("sdpa") or (a[1], None))
-    for rows in (1, 8, ri.INVARIANT_QUERY_ROWS, ri.INVARIANT_QUERY_ROWS + 1):
-        ri.row_invariant_attention(None, torch.zeros(1, 2, rows, 4), torch.zeros(1, 2, 3, 4),
-                                   torch.zeros(1, 2, 3, 4), None)
-    assert calls == ["invariant", "invariant", "invariant", "sdpa"]
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 8, ri.INVARIANT_QUERY_ROWS, ri.INVARIANT_QUERY_ROWS + 1):
+            ri.row_invariant_attention(None, torch.zeros(1, 2, rows, 4, dtype=dtype),
+                                       torch.zeros(1, 2, 3, 4, dtype=dtype), torch.zeros(1, 2, 3, 4, dtype=dtype), None)
+    assert calls == ["sequential"] * 3 + ["sdpa"] + ["gemm"] * 3 + ["sdpa"]
+
+
+def _causal_mask(positions: torch.Tensor, keys: int, dtype) -> torch.Tensor:
+    allowed = torch.arange(keys)[None, :] <= positions[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+@pytest.mark.parametrize("boolean_mask", [False, True])
+def test_gemm_attention_matches_sdpa_within_bf16_rounding(boolean_mask):
+    gen = torch.Generator().manual_seed(0)
+    h, kv_heads, length, keys, d = 9, 3, 8, 300, 64  # SmolLM2-135M's attention geometry, a verify block
+    q, k, v = (torch.randn(2, n, t, d, generator=gen) for n, t in ((h, length), (kv_heads, keys), (kv_heads, keys)))
+    mask = _causal_mask(torch.arange(keys - length, keys), keys, torch.float64).expand(2, 1, length, keys)
+    ref = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(
+        3, 1), attn_mask=mask, scale=0.125).transpose(1, 2)
+    got = ri.gemm_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask == 0 if boolean_mask else mask.bfloat16(),
+                            scaling=0.125)
+    assert got.shape == (2, length, h, d) and got.dtype == torch.bfloat16
+    # SDPA itself in bf16 lands 1.5e-3 off here; this path rounds the scores and probabilities to bf16 once more
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=6e-3)
+
+
+def test_gemm_attention_row_is_independent_of_other_queries_and_masked_keys_where_the_gemm_is():
+    """On this machine's bf16 GEMM, when the probe says its rows are invariant: a verify row (8 queries, keys to
+    the block's end) equals the same row decoded alone (keys to its own position), 14 prefixes up to 2,040."""
+    if "varies" in ri.linear_row_modes(((64, 448), (448, 64)), dtype=torch.bfloat16).values():
+        pytest.skip("this CPU's bf16 GEMM gives rows other bits between row counts")
+    gen = torch.Generator().manual_seed(1)
+    for prefix in (5, 33, 63, 64, 100, 200, 255, 256, 300, 511, 512, 1000, 1024, 2040):
+        keys = prefix + 8
+        q = torch.randn(1, 9, 8, 64, generator=gen).bfloat16()
+        k, v = (torch.randn(1, 3, keys, 64, generator=gen).bfloat16() for _ in range(2))
+        block = ri.gemm_attention(q, k, v, _causal_mask(prefix + torch.arange(8), keys, torch.bfloat16), scaling=0.125)
+        for j in range(8):
+            n = prefix + j + 1
+            alone = ri.gemm_attention(q[:, :, j:j + 1], k[:, :, :n], v[:, :, :n],
+                                      _causal_mask(torch.tensor([prefix + j]), n, torch.bfloat16), scaling=0.125)
+            assert torch.equal(alone[0, 0], block[0, j]), (prefix, j)
 
 
 @pytest.mark.parametrize("dtype,mode,applied", [("bf16", "auto", True), ("fp32", "auto", False), ("bf16", "off", False),
