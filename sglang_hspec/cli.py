@@ -36,8 +36,9 @@ def _drafter_spec(args) -> str:
     return args.drafter or (default_drafter_spec() if args.target == "embedded" else "ngram")
 
 
-def build_engine(args, adapter=None, drafter_spec: str | None = None):
-    """Target + drafter + policy (+ STS) from parsed CLI arguments."""
+def build_engine(args, adapter=None, drafter_spec: str | None = None, tree: int | None = None):
+    """Target + drafter + policy (+ STS, + tree verification) from parsed CLI arguments (`tree`: verify rows
+    of a tree, overriding --tree; 0 = the chain)."""
     from sglang_hspec.engine.engine import SpeculativeEngine
     from sglang_hspec.engine.loading import load_drafter_spec
     from sglang_hspec.engine.policies import make_policy
@@ -52,7 +53,13 @@ def build_engine(args, adapter=None, drafter_spec: str | None = None):
     else:
         policy, transform = make_policy(args.policy, block_size=drafter.block_size, sps_table=args.sps_table,
                                         sts=args.sts)
-    return SpeculativeEngine(adapter, drafter, policy=policy, confidence_transform=transform)
+    rows = getattr(args, "tree", 0) if tree is None else tree
+    tree_spec = None
+    if rows and spec != "none":
+        from sglang_hspec.engine.tree import TreeSpec
+
+        tree_spec = TreeSpec(max_rows=rows)
+    return SpeculativeEngine(adapter, drafter, policy=policy, confidence_transform=transform, tree=tree_spec)
 
 
 # ---------------------------------------------------------------------------- flag validation
@@ -253,8 +260,12 @@ def cmd_demo(args) -> int:
     prompts = [chat_input_ids(adapter.tokenizer, it.messages(0)) for it in items]
     engines = {}
     for name in names:
-        eng = build_engine(args, adapter=adapter, drafter_spec=name)
-        engines[eng.drafter.name if name in ("none", "ngram") else Path(name).name or name] = eng
+        label = name if name in ("none", "ngram") else Path(name).name or name
+        # with --tree, each speculative drafter runs twice: its chain, then its tree (side by side in one run)
+        for rows in ((0, args.tree) if args.tree and name != "none" else (0,)):
+            eng = build_engine(args, adapter=adapter, drafter_spec=name, tree=rows)
+            base = eng.drafter.name if name in ("none", "ngram") else label
+            engines[f"{base} tree {rows}" if rows else base] = eng
     sampling = _sampling(args)
     rows = run_side_by_side(engines, prompts, sampling, desc="MT-Bench")
     print(f"\nMT-Bench, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.target} target "

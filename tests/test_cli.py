@@ -62,6 +62,19 @@ def test_demo_prints_side_by_side_table(embedded_dir, capsys, tmp_path):
     assert rows[0]["tokens"] == rows[1]["tokens"] == 32
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_demo_with_tree_runs_each_drafter_as_chain_and_tree(embedded_dir, capsys, tmp_path):
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--drafter", "shipped+lookup", "--tree", "16", "--limit", "2", "--max-new-tokens", "24",
+               "--dtype", "fp32", "--json-out", str(out)])
+    assert rc == 0
+    rows = {r["drafter"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["none", "shipped+lookup", "shipped+lookup tree 16"]
+    assert all(r["identical_to_plain"] for r in rows.values())  # fp32 greedy: both token-identical to plain
+    assert rows["shipped+lookup tree 16"]["tau"] >= rows["shipped+lookup"]["tau"]  # the tree holds the chain
+
+
 def test_bad_hspec_environment_variables_are_named(tmp_path, monkeypatch, capsys):
     """HSPEC_TRAIN_THREADS that is not a count, HSPEC_CACHE_DIR that names a file: the variable, the value and
     the fix, before a target loads or a run directory is made."""

@@ -46,6 +46,16 @@ CASES = {  # id -> (argv after `generate --prompt hi`, the whole error line)
     "top-k-greedy": (["--top-k", "5"], "--top-k 5 has no effect with --temperature 0 (greedy decoding): set "
                                        "--temperature > 0 to sample, or drop --top-k"),
     "max-new-tokens-0": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    "tree-huge": (["--tree", "65"], "--tree must be in 1..64 (verify rows per request, the anchor's included), got 65; "
+                                    "0 (the default) verifies the chain"),
+    "tree-negative": (["--tree", "-2"], "--tree must be in 1..64 (verify rows per request, the anchor's included), "
+                                        "got -2; 0 (the default) verifies the chain"),
+    "tree-none": (["--drafter", "none", "--tree", "16"],
+                  "--tree has no effect with --drafter none (plain decoding drafts nothing); drop --tree or pick a "
+                  "drafter"),
+    "tree-auto": (["--tree", "16", "--policy", "auto"],
+                  "--tree sizes each step's tree from the confidences itself: it takes --policy fixed, not --policy "
+                  "auto; drop one of them"),
     "stop-empty": (["--stop", ""], "--stop '' is empty: it would end every output after its first token; give a "
                                    "non-empty stop string"),
 }

@@ -31,10 +31,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None =
                    help="SPS table JSON (SGLang layout) for --policy exact|stale|auto (auto also reads its "
                         "plain-decode and drafter columns, from `hspec profile-sps`)")
     p.add_argument("--sts", default=None, help="STS calibration JSON (SGLang layout) for the confidence head")
+    p.add_argument("--tree", type=int, default=0, metavar="ROWS",
+                   help="verify a tree of at most ROWS rows per request (the anchor's included), built from the same "
+                        "drafter forward from each slot's runners-up and the prompt-lookup branch, instead of the "
+                        "chain (engine/tree.py; docs/tree.md); 0 = the chain. Lossless like the chain")
 
 
+TREE_ROWS_MAX = 64  # verify rows per request of a tree
 # builtin drafters without a confidence head
-BUILTIN_NO_CONFIDENCE = ("none", "ngram")  # builtin drafters without a confidence head
+BUILTIN_NO_CONFIDENCE = ("none", "ngram")
 
 
 def check_engine_flags(args, drafter: str | None) -> None:
@@ -48,6 +53,17 @@ def check_engine_flags(args, drafter: str | None) -> None:
         if drafter == "none":
             raise ValueError("--block-size has no effect with --drafter none (plain decoding proposes nothing); "
                              "drop --block-size or pick a drafter")
+    tree = getattr(args, "tree", 0) or 0
+    if tree:
+        if not 1 <= tree <= TREE_ROWS_MAX:
+            raise ValueError(f"--tree must be in 1..{TREE_ROWS_MAX} (verify rows per request, the anchor's "
+                             f"included), got {tree}; 0 (the default) verifies the chain")
+        if drafter == "none":
+            raise ValueError("--tree has no effect with --drafter none (plain decoding drafts nothing); drop --tree "
+                             "or pick a drafter")
+        if args.policy != "fixed":
+            raise ValueError(f"--tree sizes each step's tree from the confidences itself: it takes --policy fixed, "
+                             f"not --policy {args.policy}; drop one of them")
     if args.policy == "fixed" and args.sps_table is not None:
         raise ValueError(f"the fixed policy verifies whole blocks and does not read an SPS table: drop --sps-table "
                          f"{args.sps_table} or use --policy stale / --policy exact")

@@ -53,20 +53,21 @@ def gemm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     kv_heads, t = key.shape[1], key.shape[2]
     groups = h // kv_heads
     rows = query.reshape(b, kv_heads, groups * length, d)  # head = kv * groups + g: rows ordered (g, position)
-    scores = torch.matmul(rows, key.transpose(-1, -2)).float() * (d ** -0.5 if scaling is None else scaling)
+    scores = torch.matmul(rows, key.transpose(-1, -2)).float().mul_(d ** -0.5 if scaling is None else scaling)
     if attention_mask is None and length > 1 and is_causal:
         attention_mask = (torch.arange(t, device=query.device)[None, :]
                           <= torch.arange(t - length, t, device=query.device)[:, None])[None, None]
     if attention_mask is not None:
         m = attention_mask[..., :t]
-        m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill_(~m, float("-inf")) \
-            if m.dtype == torch.bool else m.float()
-        scores = scores + m.expand(b, 1, length, t).unsqueeze(2).expand(b, 1, groups, length, t).reshape(
-            b, 1, groups * length, t)
-    probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).to(value.dtype)
-    weighted = torch.matmul(probs, torch.cat([value, torch.ones_like(value[..., :1])], dim=-1)).float()
-    out = weighted[..., :d] / weighted[..., d:]
-    return out.reshape(b, kv_heads, groups, length, d).reshape(b, h, length, d).transpose(1, 2).to(query.dtype)
+        by_group = scores.view(b, kv_heads, groups, length, t)  # the mask broadcasts over heads, no copy
+        if m.dtype == torch.bool:
+            by_group.masked_fill_(~m[:, :, None], float("-inf"))
+        else:
+            by_group.add_(m[:, :, None])
+    probs = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_().to(value.dtype)
+    weighted = torch.matmul(probs, F.pad(value, (0, 1), value=1.0)).float()
+    out = weighted[..., :d].div_(weighted[..., d:])
+    return out.view(b, kv_heads, groups, length, d).reshape(b, h, length, d).transpose(1, 2).to(query.dtype)
 
 
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -151,10 +151,12 @@ def evaluate(*, adapter, drafter, prompts_by_dataset: dict[str, list], sampling_
 def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list],
                   sampling_temperatures: list[float],
                   max_new_tokens: int, policies: list | None = None, confidence_transforms: list | None = None,
-                  record_dirs: list[str | None] | None = None, seed: int = 0, progress: bool = True) -> list[dict]:
+                  record_dirs: list[str | None] | None = None, seed: int = 0, progress: bool = True,
+                  tree_rows: int = 0) -> list[dict]:
     """Several drafters on the same prompts: each prompt is decoded plainly once, then by every drafter in
     turn (batch 1), so all speedups share one plain baseline measured in the same run. One payload per
-    drafter, in the order given (the shape `evaluate` returns)."""
+    drafter, in the order given (the shape `evaluate` returns). `tree_rows` > 0: every drafter verifies trees
+    of that many rows (engine/tree.py) instead of its chain."""
     from sglang_hspec.assets.prompts import chat_input_ids
     from sglang_hspec.calibration.records import ConfidenceRecorder
     from sglang_hspec.core.types import SamplingParams
@@ -177,6 +179,11 @@ def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list
     encoded = {name: [chat_input_ids(tok, item.messages(0)) for item in items]
                for name, items in prompts_by_dataset.items()}
     plain_engine = SpeculativeEngine(adapter, NoDrafter())
+    tree = None
+    if tree_rows:
+        from sglang_hspec.engine.tree import TreeSpec
+
+        tree = TreeSpec(max_rows=tree_rows)
     summaries = [[] for _ in drafters]
     requests = [[] for _ in drafters]
     shards = [[] for _ in drafters]
@@ -193,7 +200,7 @@ def evaluate_many(*, adapter, drafters: list, prompts_by_dataset: dict[str, list
                         "drafter": drafter.name, "dataset": name, "temperature": temperature})
                 recorders.append(recorder)
                 engines.append(SpeculativeEngine(adapter, drafter, policy=policy, confidence_recorder=recorder,
-                                                 confidence_transform=transform))
+                                                 confidence_transform=transform, tree=tree))
                 tallies.append(_Tally(block_size=drafter.block_size))
             bar = tqdm(list(zip(items, encoded[name])), desc=f"{name} T={temperature:g}", unit="prompt",
                        disable=not progress)
@@ -538,9 +545,10 @@ def run_cli(args) -> int:
     payloads = evaluate_many(adapter=adapter, drafters=drafters, prompts_by_dataset=prompts,
                              sampling_temperatures=sampling_temperatures, max_new_tokens=args.max_new_tokens,
                              policies=[m[0] for m in made], confidence_transforms=[m[1] for m in made],
-                             record_dirs=record_dirs, seed=args.seed, progress=not args.no_progress)
+                             record_dirs=record_dirs, seed=args.seed, progress=not args.no_progress,
+                             tree_rows=args.tree)
     for spec, payload in zip(specs, payloads):
-        payload.update(target=args.target, drafter_spec=spec, policy=args.policy)
+        payload.update(target=args.target, drafter_spec=spec, policy=args.policy, tree_rows=args.tree)
     table = "\n".join(markdown_table(p) for p in payloads)
     if len(payloads) > 1:
         table += "\nComparison (same prompts, one plain baseline per prompt):\n\n" + comparison_table(payloads)
