@@ -29,6 +29,7 @@ END = "<!-- results_table: end -->"
 
 XEON_AMX = "Xeon AMX (family 6 model 207)"
 ZEN5 = "EPYC Zen 5 (family 26 model 2)"
+ZEN4 = "EPYC Zen 4 (family 25 model 17)"
 SETS = "--datasets mtbench,gsm8k,humaneval,mbpp,math500"
 
 
@@ -131,6 +132,25 @@ def headline_rows(root: Path = REPO) -> list[Row]:
     zen5 = "demo/2026-12-07_epyc-zen5/demo_auto.txt"
     rows.append(Row(result="`make demo`, the same", value=_demo_value(_demo_txt(root, zen5, "hspec-smollm2+lookup")),
                     machine=ZEN5, dtype="bf16 (auto)", command="`make demo`", artifact=zen5))
+    tree = "identity/2026-12-07_epyc-zen4/demo_tree.json"
+    chain_row, tree_row = (_demo_json(_json(root, tree), d) for d in ("hspec-smollm2+lookup",
+                                                                      "hspec-smollm2+lookup tree 16"))
+    rows.append(Row(result="`make demo` (bf16 row-invariant by default), then the same drafter verifying 16-row trees",
+                    value=f"{_demo_value(chain_row)}; tree: {_demo_value(tree_row)}", machine=ZEN4,
+                    dtype="bf16 (auto)", command="`hspec demo --tree 16`", artifact=tree))
+    ident = "identity/2026-12-07_epyc-zen4/bench_row_invariant.json"
+    p = _json(root, ident)
+    same = {k: sum(int(v.split("/")[0]) for v in p[f"identical_{k}"].values()) for k in ("stock", "row_invariant")}
+    total = sum(p["prompts"].values())
+    rows.append(Row(result=f"bf16 greedy outputs identical to plain decoding, {total} prompts of 5 sets x "
+                           f"{p['max_new_tokens']} tokens, `shipped+lookup`",
+                    value=f"{same['row_invariant']}/{total} row-invariant (the default) vs {same['stock']}/{total} "
+                          f"stock; plain decoding {p['plain_cost_ratio']:.2f}x as fast, speculation "
+                          f"{p['speedup_row_invariant']:.2f}x of its plain (stock {p['speedup_stock']:.2f}x); "
+                          f"median of {len(p['rounds']) // 4} rounds",
+                    machine=ZEN4, dtype="bf16",
+                    command="`python scripts/bench_row_invariant.py --limit 8 --other 12 --max-new-tokens 96 --rounds 3`",
+                    artifact=ident))
     fp32 = "demo/2026-12-06_xeon-amx/demo_fp32.json"
     rows.append(Row(result="demo in fp32 (token-exact), 8 prompts x 64 tokens, `shipped+lookup`",
                     value=_demo_value(_demo_json(_json(root, fp32), "shipped+lookup")), machine=XEON_AMX,
