@@ -57,6 +57,9 @@ class HSpecConfig:
     sliding_window: int = 2048
     draft_vocab_size: int = 32000
     rms_norm_eps: float | None = None  # None -> the target's
+    # per-head RMSNorm on q and k before RoPE (Qwen3's, and SGLang's DFlash/DSpark draft layers, which always
+    # apply it); None -> the target's. The DFlash-family recipes set true so they export to SGLang exactly.
+    qk_norm: bool | None = None
 
     def __post_init__(self) -> None:
         fix = object.__setattr__
@@ -121,6 +124,8 @@ class HSpecConfig:
             fix(self, "fusion_rank", t.hidden_size)
         if self.rms_norm_eps is None:
             fix(self, "rms_norm_eps", t.rms_norm_eps)
+        if self.qk_norm is None:
+            fix(self, "qk_norm", t.qk_norm)
         if self.mamba_dt_min > self.mamba_dt_max:
             raise ValueError(f"mamba_dt_min ({self.mamba_dt_min}) must be <= mamba_dt_max ({self.mamba_dt_max}): they "
                              "bound the initial Mamba step sizes (H-Spec uses 0.001 and 0.1)")
@@ -274,7 +279,7 @@ _FLOAT_RANGES: dict[str, tuple[float, float, str, str]] = {
     "mamba_dt_max": (0.0, 1.0, "the largest initial Mamba step size", "0.1"),
     "rms_norm_eps": (0.0, 0.1, "the RMSNorm epsilon", "the target's, 1e-5 or 1e-6"),
 }
-_OPTIONAL = ("fusion_rank", "rms_norm_eps", "kv_reuse_layer_ids", "layer_pattern")  # None: derived
+_OPTIONAL = ("fusion_rank", "rms_norm_eps", "kv_reuse_layer_ids", "layer_pattern", "qk_norm")  # None: derived
 
 
 def _is_int(value: Any) -> bool:
@@ -318,5 +323,8 @@ def check_field_values(values: dict[str, Any], *, prefix: str = "") -> None:
         elif name == "confidence_head" and not isinstance(value, bool):
             raise ValueError(f"{key} must be true or false (whether the drafter has a confidence head), "
                              f"got {value!r}")
+        elif name == "qk_norm" and not isinstance(value, bool):
+            raise ValueError(f"{key} must be true, false or null (q/k RMSNorm in the drafter's attention; null: "
+                             f"the target's), got {value!r}; the DFlash-family recipes use true")
         elif name in ("kind", "slot_convention") and not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")

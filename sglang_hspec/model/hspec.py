@@ -261,8 +261,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, d, bias=False)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if t.qk_norm else None
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if t.qk_norm else None
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.causal = cfg.block_causal
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):

@@ -12,7 +12,9 @@ differ. Two layouts are folded exactly:
   (ids outside the draft vocabulary share our spare row); one extra rank column, constant 1 in W1 and
   -1e4 in W2 for ids outside the draft vocabulary, keeps them from being proposed (the confidence
   head's weight for that column is 0, so confidence is unchanged).
-Limits: Qwen3-style targets (q/k norms; SGLang's DFlash layers always apply them), and SGLang's DSpark
+Limits: the drafter must have q/k norms (`qk_norm`: SGLang's DFlash layers always apply them, per head
+before RoPE, as ours do); that is the target's choice by default (Qwen3 has them, Llama / SmolLM2 not) and
+the DFlash-family recipes set it for any target (configs/train_dspark_smollm2.yaml). SGLang's DSpark
 attends the whole context where ours stops at `sliding_window` (2048): identical below that length.
 """
 
@@ -113,9 +115,14 @@ def export_dspark(src: str | Path, dst: str | Path, *, tokenizer_from: str | Pat
     if cfg.kind != "dspark":
         raise ValueError(f"{src} holds a {cfg.kind!r} drafter; only 'dspark' maps onto SGLang's DSpark "
                          "(H-Spec drafters are served with --speculative-algorithm HSPEC as they are)")
-    if not cfg.target.qk_norm:
-        raise ValueError(f"{src} was trained for a {cfg.target.model_type} target without q/k norms; SGLang's "
-                         "DSpark layers always apply them, so only Qwen3-style targets export exactly")
+    if not cfg.qk_norm:
+        raise ValueError(f"{src} holds a dspark drafter without q/k norms (qk_norm false; trained for a "
+                         f"{cfg.target.model_type} target); SGLang's DSpark layers always apply them, so it cannot "
+                         "export exactly: retrain it with model.drafter.qk_norm: true "
+                         "(configs/train_dspark_smollm2.yaml does)")
+    if any("M" in layer or "A" not in layer for layer in cfg.layer_pattern):
+        raise ValueError(f"{src} has layer_pattern {list(cfg.layer_pattern)}; every SGLang DSpark layer is "
+                         "attention > MLP ('AF'), without Mamba: retrain with the default dspark pattern")
     if cfg.markov_rank <= 0:
         raise ValueError("SGLang's DSpark needs a Markov head (markov_rank > 0)")
     last = cfg.target.num_hidden_layers - 1
