@@ -98,20 +98,36 @@ def tiny_qwen2_config(**overrides):
     return Qwen2Config(**kw)
 
 
+def tiny_llama_config(**overrides):
+    """The tiny Qwen3 geometry as a Llama model (SmolLM2's family: no q/k norms, no biases), 3 layers so that a
+    drafter can read two captured layers (SGLang never captures the last one)."""
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
 def build_tiny_target(out: Path, *, seed: int = 0, logit_scale: int = 1, family: str = "qwen3") -> Path:
     """Qwen3ForCausalLM, 2 layers, H=128, 4 q / 2 kv heads, head_dim 32, V=1024, bf16 (1.1 MB); with
     `family="qwen2"` the same geometry as a Qwen2ForCausalLM (tiny_qwen2_config).
 
     `logit_scale` (a power of two, so the bf16 weights scale exactly) multiplies the LM head: the target
     then samples at temperature T what the unscaled one samples at T / logit_scale, with the same greedy
-    path. Sampling tests use it to run at temperature 1, where the unscaled random target is near-flat."""
+    path. Sampling tests use it to run at temperature 1, where the unscaled random target is near-flat.
+    `family="llama"`: a 3-layer LlamaForCausalLM of the same widths (tiny_llama_config)."""
     from transformers import AutoModelForCausalLM
 
     if logit_scale < 1 or logit_scale & (logit_scale - 1):
         raise ValueError(f"logit_scale must be a power of two (exact in bf16), got {logit_scale}")
 
     def build(tmp: Path) -> None:
-        cfg = {"qwen3": tiny_qwen3_config, "qwen2": tiny_qwen2_config}[family]()
+        cfg = {"qwen3": tiny_qwen3_config, "qwen2": tiny_qwen2_config, "llama": tiny_llama_config}[family]()
         # std 0.2 instead of 0.02: peaked next-token distributions, so greedy ties (and bf16 near-ties)
         # are rare and a wrong token shows up quickly.
         cfg.initializer_range = 0.2
@@ -315,5 +331,34 @@ def build_exported_dspark_draft(out: Path, target_dir: Path, *, block_size: int 
         save_drafter(model, tmp / "ours")
         export_dspark(tmp / "ours", tmp, tokenizer_from=target_dir)
         shutil.rmtree(tmp / "ours")
+
+    return _atomic_dir(out, build)
+
+
+def build_dspark_baseline(out: Path, target_dir: Path, *, target_layer_ids=(0,) * 5, qk_norm: bool | None = True,
+                          block_size: int = 3, seed: int = 4) -> Path:
+    """Our `dspark` baseline for a tiny target as `save_drafter` writes it (random init, draft vocabulary 999
+    of 1024), with q/k norms by default whatever the target (`qk_norm`). Every weight the exporter maps is
+    moved off its init (norm weights around 1, a non-zero Markov W2), so a norm applied in the wrong place,
+    or a weight mapped to the wrong name, changes the proposals."""
+    from sglang_hspec.model.checkpoint import build_drafter, save_drafter
+    from sglang_hspec.model.config import HSpecConfig
+    from sglang_hspec.target.geometry import TargetGeometry
+
+    def build(tmp: Path) -> None:
+        target = load_target(target_dir)
+        cfg = HSpecConfig(target=TargetGeometry.from_hf_config(target.config), target_layer_ids=target_layer_ids,
+                          mask_token_id=VOCAB - 1, intermediate_size=256, block_size=block_size, qk_norm=qk_norm,
+                          draft_vocab_size=999, markov_rank=16, kind="dspark")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = build_drafter("dspark", cfg, target.get_input_embeddings(), target.get_output_embeddings())
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        p.copy_(1 + 0.3 * torch.randn_like(p))
+                torch.nn.init.normal_(model.markov.markov_w2.weight, std=0.5)
+            model.set_draft_vocab(torch.tensor([i for i in range(VOCAB) if i % 41 != 5]))
+        save_drafter(model, tmp)
 
     return _atomic_dir(out, build)

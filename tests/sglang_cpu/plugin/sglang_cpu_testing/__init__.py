@@ -15,6 +15,8 @@ Fixes (numbers as in the reference):
    from the host's free RAM, which other processes move between two launches; a fixed budget makes the
    pool size a pure function of the configuration, so servers can be compared at the same budget.
 9. (opt-in, `SGLANG_CPU_TESTING_FORK=1`) scheduler and detokenizer fork from the launcher instead of spawning.
+10. DSpark's per-request step dump (`SGLANG_DSPARK_DEBUG_DUMP=reqs`) stages through a device stream: on CPU
+   the tensors are copied at once.
 """
 
 from __future__ import annotations
@@ -97,6 +99,41 @@ def _chain_sampling_dispatch(original, *args, **kwargs):
     return chain_speculative_sampling_torch(*args, **kwargs)
 
 
+_DUMPER = "sglang.srt.speculative.dspark_components.dspark_observability.DsparkInfoDumper"
+
+
+def _dumper_without_d2h_stream_on_cpu(original, self, *args, components, device, **kwargs):
+    # torch.cpu.Stream takes no device: build without the reqs component (no d2h stream), then add it back
+    if getattr(device, "type", str(device)) != "cpu" or "reqs" not in {str(getattr(c, "value", c)) for c in components}:
+        return original(self, *args, components=components, device=device, **kwargs)
+    rest = {c for c in components if str(getattr(c, "value", c)) != "reqs"} or {"core"}
+    original(self, *args, components=rest, device=device, **kwargs)
+    from sglang.srt.speculative.dspark_components.dspark_observability import InfoComponent
+
+    self._components.add(InfoComponent.REQS)
+    self.enabled = self.attn_tp_rank == 0
+
+
+class _Copied:
+    def __init__(self, data):
+        self._data = data
+
+    def wait(self):
+        return self._data
+
+
+def _stage_reqs_on_cpu(original, self, obs, *args, **kwargs):
+    if self._d2h_stream is not None or obs.draft_tokens.device.type != "cpu":
+        return original(self, obs, *args, **kwargs)
+    names = ("req_pool_indices", "prefix_lens", "draft_tokens", "bonus_tokens", "correct_len", "cap_trim_lens",
+             "commit_lens")
+    out = {k: getattr(obs, k).detach().clone() for k in names}
+    for k in ("verify_lens", "confidence"):
+        if getattr(obs, k) is not None:
+            out[k] = getattr(obs, k).detach().clone()
+    return _Copied(out)
+
+
 KV_BUDGET_ENV = "SGLANG_CPU_TESTING_KV_BUDGET_MB"
 
 
@@ -163,6 +200,8 @@ def register() -> None:
          _chain_sampling_dispatch, HookType.AROUND),
         ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
          _fixed_kv_budget, HookType.AROUND),
+        (_DUMPER + ".__init__", _dumper_without_d2h_stream_on_cpu, HookType.AROUND),  # fix 10
+        (_DUMPER + "._stage_reqs", _stage_reqs_on_cpu, HookType.AROUND),
     ]
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)
