@@ -155,6 +155,13 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
     (scratch / "emptydir").mkdir()
     w("afile").write_text("a file where a directory is expected\n")
     w("binary.txt").write_bytes(b"\xff\xfe\x00\x81 not text")
+    conv = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]
+    w("convs.jsonl").write_text(json.dumps({"id": "a", "conversations": conv}) + "\n")
+    w("noid.jsonl").write_text(json.dumps({"conversations": conv}) + "\n")
+    w("badmsg.jsonl").write_text(json.dumps({"id": "a", "conversations": ["What is 2+2?", "4."]}) + "\n")
+    (scratch / "foreign").mkdir()
+    w("foreign/manifest.json").write_text(json.dumps({"format": "other-packer/2", "shards": []}))
+    packed_dir, damaged_pack = packed_sets(scratch)
 
     tiny = ["--target", tiny_target_dir, "--dtype", "fp32"]
     gen = ["generate", "--prompt", "hi"]
@@ -185,10 +192,16 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
     huge_mlp = d("intermediate_size_1e9", edit_config(lambda c: c["hspec"].update(intermediate_size=10**9)))
     markov_rank = d("markov_rank_1e7", edit_config(lambda c: c["hspec"].update(markov_rank=10**7)))
     zero_eps = d("rms_norm_eps_0", edit_config(lambda c: c["hspec"].update(rms_norm_eps=0)))
+    int_ids = d("target_layer_ids_3", edit_config(lambda c: c["hspec"].update(target_layer_ids=3)))
     conf_yes = d("confidence_head_yes", edit_config(lambda c: c["hspec"].update(confidence_head="yes")))
     no_mask = d("no_mask_token_id", edit_config(lambda c: c["hspec"].pop("mask_token_id")))
     blocker = w("afile")
     build = ["data", "build", "--sharegpt", "0", "--code", "2"]
+    regen = ["data", "regenerate", "--in", str(w("convs.jsonl")), "--out", str(w("regen_flags"))]
+    pack = ["data", "pack", "--in", str(w("convs.jsonl"))]
+    unpack = ["data", "unpack", "--out", str(w("unpacked"))]
+    sps_env = {"SGLANG_RAGGED_VERIFY_MODE": "compact", "HSPEC_CACHE_DIR": str(w("cache"))}
+    auto_env = {**sps_env, "HSPEC_AUTO_PROFILE_SPS": "1"}
     fit = ["calibrate", "fit", "--data", str(w("notarecord.pt")), "--block-size", "7"]
 
     return [
@@ -235,6 +248,13 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         Row("speculation", "`--sts` with the ngram drafter", [*gen, "--drafter", "ngram", "--sts", str(w("sts_3_slots.json"))]),
         Row("speculation", "`--policy demo`", [*gen, "--policy", "demo"]),
         Row("speculation", "`demo --limit 0`", ["demo", "--limit", "0"]),
+        Row("speculation", "`--tree 65` (more verify rows than a tree takes)", [*gen, "--tree", "65"]),
+        Row("speculation", "`--tree -1`", [*gen, "--tree", "-1"]),
+        Row("speculation", "`--tree` with `--drafter none`", [*gen, "--drafter", "none", "--tree", "4"]),
+        Row("speculation", "`--tree` with `--policy auto`", [*gen, "--tree", "4", "--policy", "auto"]),
+        Row("speculation", "`demo --tree 65`", ["demo", "--tree", "65"]),
+        Row("speculation", "`eval --tree -1`", ["eval", "--tree", "-1"]),
+        Row("speculation", "`--batch-invariant sometimes`", [*gen, "--batch-invariant", "sometimes"]),
         # SPS / STS artifacts
         Row("SPS / STS", "`--sps-table` that does not exist", [*gen, "--drafter", "shipped", "--policy", "stale",
                                                                 "--sps-table", str(w("missing_sps.json"))]),
@@ -286,6 +306,7 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         Row("checkpoint", "config with `rms_norm_eps: 0`", [*emb, "--drafter", zero_eps]),
         Row("checkpoint", 'config with `confidence_head: "yes"`', [*emb, "--drafter", conf_yes]),
         Row("checkpoint", "config without `mask_token_id`", [*emb, "--drafter", no_mask]),
+        Row("checkpoint", "config with `target_layer_ids: 3` (not a list)", [*emb, "--drafter", int_ids]),
         # training configs and records
         Row("training", "`train --config` that does not exist", ["train", "--config", str(w("missing.yaml"))]),
         Row("training", "`train --config` that is not YAML", ["train", "--config", str(w("bad.yaml"))]),
@@ -319,6 +340,17 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         Row("training", "`data regenerate --eval-texts` naming a JSONL of prompts instead",
             ["data", "regenerate", "--in", str(w("foo.jsonl")), "--out", str(w("regen")), "--eval-texts",
              str(w("foo.jsonl"))]),
+        Row("training", "`data regenerate --out` under a file",
+            ["data", "regenerate", "--in", str(w("convs.jsonl")), "--out", str(blocker / "regen")]),
+        Row("training", "`data regenerate --in` that does not exist",
+            ["data", "regenerate", "--in", str(w("nope.jsonl")), "--out", str(w("regen_flags"))]),
+        Row("training", "`data regenerate --batch-size 0`", [*regen, "--batch-size", "0"]),
+        Row("training", "`data regenerate --max-turns 0`", [*regen, "--max-turns", "0"]),
+        Row("training", "`data regenerate --max-new-tokens 0`", [*regen, "--max-new-tokens", "0"]),
+        Row("training", "`data regenerate --slots 0`", [*regen, "--slots", "0"]),
+        Row("training", "`data regenerate --max-prompt-tokens 0`", [*regen, "--max-prompt-tokens", "0"]),
+        Row("training", "`data regenerate --heldout 2`", [*regen, "--heldout", "2"]),
+        Row("training", "`data regenerate --threads 0`", [*regen, "--threads", "0"]),
         Row("training", "`data merge --out` naming a directory with no regenerate shards",
             ["data", "merge", "--out", str(w("regen"))]),
         Row("training", "`data build --out` under a file", [*build, "--out", str(blocker / "data")]),
@@ -328,6 +360,35 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
             [*build, "--out", str(w("data_build")), "--code-root", str(w("nope"))]),
         Row("training", "`data build` with every source at 0",
             ["data", "build", "--out", str(w("data_build")), "--sharegpt", "0", "--code", "0"]),
+        # packed data (hspec data pack / unpack)
+        Row("packed data", "`data pack` without `--in`", ["data", "pack", "--out", str(w("packed_out"))]),
+        Row("packed data", "`data pack --in` that does not exist",
+            ["data", "pack", "--in", str(w("nope.jsonl")), "--out", str(w("packed_out"))]),
+        Row("packed data", "`data pack --in` a file that is not JSONL",
+            ["data", "pack", "--in", str(w("notjson.json")), "--out", str(w("packed_out"))]),
+        Row("packed data", "`data pack --in` a binary file",
+            ["data", "pack", "--in", str(w("binary.txt")), "--out", str(w("packed_out"))]),
+        Row("packed data", "`data pack --in` a JSONL record without `id`",
+            ["data", "pack", "--in", str(w("noid.jsonl")), "--out", str(w("packed_out"))]),
+        Row("packed data", "`data pack --in` a JSONL whose messages are strings",
+            ["data", "pack", "--in", str(w("badmsg.jsonl")), "--out", str(w("packed_out"))]),
+        Row("packed data", "`data pack --in` an empty JSONL",
+            ["data", "pack", "--in", str(w("empty.jsonl")), "--out", str(w("packed_out"))]),
+        Row("packed data", "`data pack --out` under a file", [*pack, "--out", str(blocker / "packed")]),
+        Row("packed data", "`data pack --out` holding a manifest of another format",
+            [*pack, "--out", str(w("foreign"))]),
+        Row("packed data", "`data pack --heldout 2`", [*pack, "--out", str(w("packed_out")), "--heldout", "2"]),
+        Row("packed data", "`data pack --target tiny` (no tokenizer)",
+            [*pack, "--out", str(w("packed_out")), "--target", "tiny"]),
+        Row("packed data", "`data unpack --in` a packed set with a damaged shard", [*unpack, "--in", damaged_pack]),
+        Row("packed data", "`data unpack --in` a manifest of another format", [*unpack, "--in", str(w("foreign"))]),
+        Row("packed data", "`data unpack --in` a directory without a manifest", [*unpack, "--in", str(w("emptydir"))]),
+        Row("packed data", "`data unpack --in` a JSONL file (not a packed directory)",
+            [*unpack, "--in", str(w("convs.jsonl"))]),
+        Row("packed data", "`data unpack --out` under a file",
+            ["data", "unpack", "--in", packed_dir, "--out", str(blocker / "unpacked")]),
+        Row("packed data", "`data unpack --target tiny` (no tokenizer)", [*unpack, "--in", packed_dir, "--target",
+                                                                          "tiny"]),
         # environment variables
         Row("environment", "`HSPEC_TRAIN_THREADS=abc`", [*train, f"training.output_dir={scratch / 'run'}"],
             env={"HSPEC_TRAIN_THREADS": "abc"}),
@@ -335,6 +396,19 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
             env={"HSPEC_MAMBA_SCAN": "bogus"}),
         Row("environment", "`HSPEC_CACHE_DIR` naming a file (where the embedded target is converted)",
             call=cache_dir_row, env={"HSPEC_CACHE_DIR": str(blocker)}),
+        Row("environment", "`HSPEC_AUTO_PROFILE_SPS=yes1` (a typo, not read as off)", call=sps_table_row,
+            env={**sps_env, "HSPEC_AUTO_PROFILE_SPS": "yes1"}),
+        Row("environment", "`HSPEC_SPS_PROFILING_SERVER=yes1`", call=sps_table_row,
+            env={**sps_env, "HSPEC_SPS_PROFILING_SERVER": "yes1"}),
+        Row("environment", "`HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS=nan`", call=sps_table_row,
+            env={**auto_env, "HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS": "nan"}),
+        Row("environment", "`HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS=inf`", call=sps_table_row,
+            env={**auto_env, "HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS": "inf"}),
+        Row("environment", "`HSPEC_AUTO_PROFILE_SPS_STEADY_STEPS=0`", call=sps_table_row,
+            env={**auto_env, "HSPEC_AUTO_PROFILE_SPS_STEADY_STEPS": "0"}),
+        Row("environment", "`HSPEC_LOOKUP=yes1`", call=lookup_row, env={"HSPEC_LOOKUP": "yes1"}),
+        Row("environment", "`HSPEC_STEP_PROFILE` under a file (checked at startup, not on every step)",
+            call=step_profile_row, env={"HSPEC_STEP_PROFILE": str(blocker / "steps.json")}),
         # artifacts on a full disk (library calls: the disk is made to fail in-process)
         Row("artifacts", "`save_drafter` on a full disk", call=functools.partial(full_disk_save_drafter, scratch)),
         Row("artifacts", "`build_dataset` (data shards) on a full disk",
@@ -346,6 +420,50 @@ def cache_dir_row() -> None:
     from sglang_hspec.assets.embedded import default_cache_dir
 
     default_cache_dir()
+
+
+def sps_table_row() -> None:
+    """What the launcher runs (server_args.py handle_server_args) to pick an HSPEC server's SPS table."""
+    from types import SimpleNamespace
+
+    from sglang_hspec.sglang_plugin.sps_cache import resolve_sps_table
+
+    args = SimpleNamespace(model_path="target", speculative_draft_model_path="drafter", tp_size=1, dtype="auto",
+                           device="cpu", base_gpu_id=0, speculative_dspark_sps_table_path=None)
+    resolve_sps_table(args, block_size=7)
+
+
+def lookup_row() -> None:
+    from sglang_hspec.sglang_plugin.lookup_splice import lookup_enabled
+
+    lookup_enabled()
+
+
+def step_profile_row() -> None:
+    """The launcher's check (server_args.py validate_server_args) and the worker's StepTimer.from_env."""
+    from sglang_hspec.sglang_plugin.step_timer import step_profile_path
+
+    step_profile_path()
+
+
+def packed_sets(scratch: Path) -> tuple[str, str]:
+    """A packed set of two conversations, and a copy with one byte of its shard flipped."""
+    from sglang_hspec.target.loading import load_tokenizer
+    from sglang_hspec.training.packed import pack
+
+    src = scratch / "pack_src.jsonl"
+    src.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+        for i in range(2)))
+    good = scratch / "packed"
+    pack(in_path=src, out_dir=good, tokenizer=load_tokenizer("embedded"), target="embedded", progress=False)
+    damaged = scratch / "packed_damaged"
+    shutil.copytree(good, damaged)
+    shard = damaged / "000000.npz"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return str(good), str(damaged)
 
 
 def full_disk_save_drafter(scratch: Path) -> None:

@@ -174,6 +174,12 @@ def read_checkpoint_config(path: str | Path, target: TargetGeometry | None = Non
         stored = TargetGeometry.from_dict(section.get("target"))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{file}: its hspec.target section is not a valid target geometry ({e}); {fix}") from None
+    # read as lists below, before HSpecConfig checks them: an integer there raised a TypeError
+    for name, example in (("target_layer_ids", "[1, 8, 15, 22, 28]"), ("kv_reuse_layer_ids", "[15, 22, 28]")):
+        ids = section.get(name)
+        if name in section and not (ids is None and name == "kv_reuse_layer_ids") and not _layer_id_list(ids):
+            raise ValueError(f"{file}: invalid drafter config: {name} must be a list of target layer ids "
+                             f"(integers, e.g. {example}), got {ids!r}; {fix}")
     if target is not None:
         problems = [(f"target.{f}", a, b) for f, a, b in stored.mismatches(target) if f in CHECKED_GEOMETRY]
         ids = [*(section.get("target_layer_ids") or ()), *(section.get("kv_reuse_layer_ids") or ())]
@@ -186,6 +192,11 @@ def read_checkpoint_config(path: str | Path, target: TargetGeometry | None = Non
         return HSpecConfig.from_dict(section)
     except (TypeError, ValueError, KeyError) as e:
         raise ValueError(f"{file}: invalid drafter config: {e}") from None
+
+
+def _layer_id_list(value: object) -> bool:
+    """A JSON list of integers (not bools)."""
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
 
 def read_checkpoint_weights(path: str | Path) -> dict[str, torch.Tensor]:

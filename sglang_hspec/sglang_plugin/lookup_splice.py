@@ -19,21 +19,19 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
 from sglang_hspec.engine.drafters import LOOKUP_CONFIDENCE, PromptLookup, splice_lookup
+
+from .env import env_switch
 
 LOOKUP_ENV = "HSPEC_LOOKUP"
 
 
 def lookup_enabled(environ=None) -> bool:
     """`HSPEC_LOOKUP`: 1 splices, 0 or unset does not."""
-    raw = (os.environ if environ is None else environ).get(LOOKUP_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{LOOKUP_ENV}={raw!r}: use 1 (splice prompt lookup into the drafts) or 0 (do not)")
-    return raw == "1"
+    return env_switch(LOOKUP_ENV, environ, on="splice prompt lookup into the drafts", off="do not")
 
 
 def check_lookup_server_args(server_args) -> None:

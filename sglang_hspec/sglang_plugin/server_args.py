@@ -156,6 +156,9 @@ def validate_server_args(server_args: Any) -> None:
 
     if lookup_enabled():
         check_lookup_server_args(server_args)
+    from .step_timer import step_profile_path
+
+    step_profile_path()  # HSPEC_STEP_PROFILE: writable, or the launch stops with the cause
     kv_dtype = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
     if kv_dtype not in READABLE_KV_CACHE_DTYPES:
         raise ValueError(f"HSPEC does not support --kv-cache-dtype {kv_dtype}: the drafter reads the target's KV "

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from .env import env_switch
+
 POLICY_ENV = "HSPEC_SPECULATION"
 POLICIES = ("always", "auto", "never")
 GUARD_ENV = "HSPEC_SPECULATION_GUARD"
@@ -37,13 +39,8 @@ def speculation_policy(environ=None) -> str:
 
 def speculation_guard(environ=None) -> bool:
     """Whether `auto` audits its realized rates (`HSPEC_SPECULATION_GUARD`, default on)."""
-    env = os.environ if environ is None else environ
-    raw = env.get(GUARD_ENV)
-    value = (raw or "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{GUARD_ENV}={raw!r} is not 0 or 1; unset it (or 1) to correct the auto switch by the rates "
-                         "this server realizes, 0 to trust the SPS table and the stale estimates alone")
-    return value == "1"
+    return env_switch(GUARD_ENV, environ, default=True, on="correct the auto switch by the rates this server realizes",
+                      off="trust the SPS table and the stale estimates alone")
 
 
 __all__ = ["GUARD_ENV", "POLICIES", "POLICY_ENV", "speculation_guard", "speculation_policy"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ from sglang_hspec.core.atomic import atomic_write_text
 from sglang_hspec.target.dtypes import cpu_model
 
 from . import sps_profile  # one way: sps_profile never imports this module
+from .env import env_switch
 from .speculation_policy import POLICY_ENV, speculation_policy
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,6 @@ STEADY_SECONDS_ENV = "HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS"
 RAGGED_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 SCHEDULED_MODES = ("compact", "cap-accept")  # SGLang's modes whose planner reads the SPS table
 CACHE_SUBDIR = "sps"
-_TRUE = {"1", "true", "yes", "on"}
 
 # What a user runs by hand; printed in the warnings.
 PROFILE_COMMAND = (
@@ -58,9 +59,18 @@ PROFILE_COMMAND = (
 )
 
 
-def env_flag(name: str, environ: dict[str, str] | None = None) -> bool:
-    value = (os.environ if environ is None else environ).get(name, "")
-    return value.strip().lower() in _TRUE
+def auto_profile_enabled(environ: dict[str, str] | None = None) -> bool:
+    """`HSPEC_AUTO_PROFILE_SPS`: 1 profiles (and caches) a table at startup where none is given; 0 or unset
+    does not."""
+    return env_switch(AUTO_PROFILE_ENV, environ, on="profile an SPS table once at startup and cache it",
+                      off="do not profile; serve with the given table, or none")
+
+
+def is_profiling_server(environ: dict[str, str] | None = None) -> bool:
+    """`HSPEC_SPS_PROFILING_SERVER`: set to 1 by the auto-profile on its own short-lived measuring server."""
+    return env_switch(sps_profile.PROFILING_SERVER_ENV, environ,
+                      on="this is the auto-profile's measuring server: no table of its own",
+                      off="a serving server; leave it unset")
 
 
 def sps_cache_dir() -> Path:
@@ -150,21 +160,33 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
+def _number(text: str, cast):
+    try:
+        return cast(text)
+    except ValueError:
+        return None
+
+
 def auto_profile_settings(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """The auto-profile's small grid: keyword arguments for `sps_profile.profile_server`."""
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {"min_steady_steps": 16, "min_steady_seconds": 2.0}
     if env.get(BATCH_SIZES_ENV, "").strip():
         out["batch_sizes"] = _int_list(env[BATCH_SIZES_ENV], BATCH_SIZES_ENV)
-    for name, field, cast in ((STEADY_STEPS_ENV, "min_steady_steps", int),
-                              (STEADY_SECONDS_ENV, "min_steady_seconds", float)):
-        if env.get(name, "").strip():
-            try:
-                out[field] = cast(env[name])
-            except ValueError as e:
-                raise ValueError(f"{name}={env[name]!r} is not a number") from e
-            if out[field] < 0:
-                raise ValueError(f"{name} must be >= 0, got {env[name]}")
+    if env.get(STEADY_STEPS_ENV, "").strip():
+        raw = env[STEADY_STEPS_ENV]
+        steps = _number(raw, int)
+        if steps is None or steps < 1:
+            raise ValueError(f"{STEADY_STEPS_ENV}={raw!r}: expected an integer >= 1 (decode steps each probe "
+                             "measures at steady state), e.g. 16; unset, it is 16")
+        out["min_steady_steps"] = steps
+    if env.get(STEADY_SECONDS_ENV, "").strip():
+        raw = env[STEADY_SECONDS_ENV]
+        seconds = _number(raw, float)
+        if seconds is None or not (math.isfinite(seconds) and seconds >= 0):  # nan and inf would never end a probe
+            raise ValueError(f"{STEADY_SECONDS_ENV}={raw!r}: expected a finite number of seconds >= 0 (the least "
+                             "steady-state time each probe measures; 0: steps only), e.g. 2; unset, it is 2")
+        out["min_steady_seconds"] = seconds
     return out
 
 
@@ -218,11 +240,12 @@ def resolve_sps_table(server_args: Any, *, block_size: int | None = None,
     """Decide the server's SPS table (module docstring); sets `server_args.speculative_dspark_sps_table_path`
     when a cached or freshly profiled table is used. Returns the table path, or None."""
     env = os.environ if environ is None else environ
-    if env_flag(sps_profile.PROFILING_SERVER_ENV, env):
+    if is_profiling_server(env):
         return None  # this is the auto-profile's own measuring server
     given = getattr(server_args, "speculative_dspark_sps_table_path", None)
     mode = env.get(RAGGED_MODE_ENV, "static").strip() or "static"
-    auto = env_flag(AUTO_PROFILE_ENV, env)
+    auto = auto_profile_enabled(env)
+    settings = auto_profile_settings(env)  # a bad value stops the launch here, not inside the profile's try
     policy = speculation_policy(env)
     check_speculation_policy(policy=policy, mode=mode, has_table=bool(given), auto_profile=auto)
     need_plain = policy == "auto"
@@ -253,7 +276,7 @@ def resolve_sps_table(server_args: Any, *, block_size: int | None = None,
     logger.warning("HSPEC: %s=1 and no cached SPS table for %s: profiling once with a short-lived server "
                    "(this start takes longer; later starts reuse %s)", AUTO_PROFILE_ENV, key, path)
     try:
-        sps_profile.profile_with_server(out=path, settings=auto_profile_settings(env), plain_probes=need_plain,
+        sps_profile.profile_with_server(out=path, settings=settings, plain_probes=need_plain,
                                         greedy_probes=need_plain)
     except Exception as e:  # the server still starts, without a table, and says so
         if need_plain:
@@ -269,7 +292,7 @@ def resolve_sps_table(server_args: Any, *, block_size: int | None = None,
 
 
 __all__ = [
-    "AUTO_PROFILE_ENV", "SpsCacheKey", "auto_profile_settings", "check_speculation_policy", "device_name",
-    "model_identity",
-    "no_table_warning", "resolve_sps_table", "sps_cache_dir", "table_path_for",
+    "AUTO_PROFILE_ENV", "SpsCacheKey", "auto_profile_enabled", "auto_profile_settings", "check_speculation_policy",
+    "device_name", "is_profiling_server", "model_identity", "no_table_warning", "resolve_sps_table", "sps_cache_dir",
+    "table_path_for",
 ]

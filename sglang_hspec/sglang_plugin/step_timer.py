@@ -52,9 +52,9 @@ class StepTimer:
         self._pending_prepare = 0.0
 
     @classmethod
-    def from_env(cls) -> StepTimer | None:
-        path = os.environ.get(ENV)
-        return cls(path) if path else None
+    def from_env(cls, environ=None) -> StepTimer | None:
+        path = step_profile_path(environ)
+        return cls(path) if path is not None else None
 
     # ---- a decode step ----
     def begin_step(self, *, kind: str) -> None:
@@ -123,6 +123,29 @@ class StepTimer:
         atomic_write_text(self.path, json.dumps(self.snapshot()))
 
 
+def step_profile_path(environ=None) -> Path | None:
+    """`HSPEC_STEP_PROFILE`'s file (unset or blank: None), checked at startup by writing the empty profile (no
+    steps yet) to it: a path that cannot be written stops the launch naming the variable and the real cause,
+    instead of failing on every decode step."""
+    raw = (os.environ if environ is None else environ).get(ENV, "")
+    if not raw.strip():
+        return None
+    path = Path(raw).expanduser()
+    fix = "set it to a writable .json file path, or unset it"
+    if path.is_dir():
+        raise ValueError(f"{ENV}={raw!r} is a directory; {fix} (e.g. {path / 'steps.json'})")
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():  # mkdir would only say "File exists"
+        raise ValueError(f"{ENV}={raw!r}: the step profile cannot be written: {above} is a file, not a directory; {fix}")
+    try:
+        StepTimer(path).dump()
+    except OSError as e:  # core/atomic.py names the file and the cause: a file in the way, permissions, a full disk
+        raise ValueError(f"{ENV}={raw!r}: the step profile cannot be written ({e}); {fix}") from None
+    return path
+
+
 def snapshot_delta(after: dict, before: dict | None) -> dict:
     """What happened between two snapshots of the same server (counters are cumulative)."""
     before = before or {"steps": {}, "seconds": {}}
@@ -134,4 +157,4 @@ def snapshot_delta(after: dict, before: dict | None) -> dict:
     return {"steps": steps, "seconds": seconds}
 
 
-__all__ = ["ENV", "STEP_KINDS", "StepTimer", "snapshot_delta"]
+__all__ = ["ENV", "STEP_KINDS", "StepTimer", "snapshot_delta", "step_profile_path"]

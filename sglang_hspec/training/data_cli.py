@@ -110,12 +110,35 @@ def run_cli(args) -> int:
     return run_regenerate(args)
 
 
+def check_pack_flags(args):
+    """`hspec data pack | unpack`'s --in, --heldout and --out, checked before the tokenizer loads and before
+    anything is written (--out is created only when the data is written). Returns unpack's manifest."""
+    from sglang_hspec.training import packed
+    from sglang_hspec.training.config import output_dir_problem
+
+    manifest = None
+    if args.data_command == "unpack":
+        manifest = packed.read_manifest(args.in_path)  # a missing or foreign manifest names its file
+    else:
+        packed.check_pack_input(in_path=args.in_path, out_dir=args.out, heldout_fraction=args.heldout)
+    problem = output_dir_problem(args.out)
+    if problem is not None:
+        raise OSError(f"--out {args.out} cannot be created: {problem}; pick another --out")
+    return manifest
+
+
 def _run_pack(args) -> int:
     from sglang_hspec.target.loading import load_tokenizer
     from sglang_hspec.training import packed
+    from sglang_hspec.training.data import tokenizer_fingerprint
 
+    manifest = check_pack_flags(args)
     tokenizer = load_tokenizer(args.target)
     if args.data_command == "unpack":
+        if tokenizer_fingerprint(tokenizer) != manifest.tokenizer_fingerprint:
+            raise ValueError(f"--target {args.target}: its tokenizer is not the one {args.in_path} was packed with "
+                             f"(fingerprint {manifest.tokenizer_fingerprint}, target {manifest.target!r}), so its "
+                             f"ids would decode to other text; pass --target {manifest.target}")
         print(json.dumps({"out": args.out, "records": packed.unpack(path=args.in_path, out_dir=args.out,
                                                                     tokenizer=tokenizer)}))
         return 0

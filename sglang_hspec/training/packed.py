@@ -200,22 +200,11 @@ def pack(*, in_path: str | Path, out_dir: str | Path, tokenizer, target: str, he
     source are kept as they are (their sha256 must still match), so packing a growing set only adds files.
     The manifest is written last, atomically."""
     in_path, out_dir = Path(in_path), Path(out_dir)
-    if in_path.is_dir():
-        sources = _regenerate_shards(in_path)
-        if not sources:
-            raise FileNotFoundError(f"--in {in_path}: no committed shard under {in_path}/shards; pass the --out "
-                                    "directory of a `hspec data regenerate` run, or a SpecForge JSONL file")
+    sources = check_pack_input(in_path=in_path, out_dir=out_dir, heldout_fraction=heldout_fraction)
+    if in_path.is_dir() and generation is None:
         from sglang_hspec.training.regenerate import RUNS_FILE
 
-        if generation is None:
-            generation = [dict(r) for r in read_jsonl(in_path / RUNS_FILE)] if (in_path / RUNS_FILE).is_file() else []
-    elif in_path.is_file():
-        sources = [("000000.npz", in_path)]
-    else:
-        raise FileNotFoundError(f"--in {in_path}: no such file or directory; pass a `hspec data regenerate --out` "
-                                "directory or a SpecForge JSONL file")
-    if not 0.0 <= heldout_fraction < 1.0:
-        raise ValueError(f"--heldout {heldout_fraction}: the held-out fraction must be in [0, 1)")
+        generation = [dict(r) for r in read_jsonl(in_path / RUNS_FILE)] if (in_path / RUNS_FILE).is_file() else []
     vocab_size = len(tokenizer)
     token_dtype = token_dtype_for(vocab_size)
     fingerprint = tokenizer_fingerprint(tokenizer)
@@ -233,7 +222,18 @@ def pack(*, in_path: str | Path, out_dir: str | Path, tokenizer, target: str, he
             for rec in records:
                 if not isinstance(rec.get("conversations"), list):
                     raise ValueError(f"{records.where()}: a record needs 'conversations' (SpecForge layout) to pack")
-                builder.add(str(rec["id"]), rec["conversations"])
+                if "id" not in rec:
+                    raise ValueError(f"{records.where()}: a record needs an 'id' (SpecForge layout) to pack")
+                if not all(isinstance(m, dict) for m in rec["conversations"]):
+                    raise ValueError(f"{records.where()}: 'conversations' must be a list of {{role, content}} "
+                                     "messages (SpecForge layout) to pack; fix or remove that line")
+                try:
+                    builder.add(str(rec["id"]), rec["conversations"])
+                except ValueError as e:  # a message without a known role or string content
+                    raise ValueError(f"{records.where()}: {e}; fix or remove that line") from None
+            if not builder.ids and in_path.is_file():  # a set of nothing: refused before anything is written
+                raise ValueError(f"--in {in_path}: no conversation to pack (no record whose conversation renders to "
+                                 "tokens); pass a SpecForge JSONL of {id, conversations} records")
             arrays = builder.arrays()
             data = _npz_bytes(arrays)
             with atomic_open(out_dir / name, "wb") as f:
@@ -255,11 +255,41 @@ def pack(*, in_path: str | Path, out_dir: str | Path, tokenizer, target: str, he
     return manifest
 
 
+def check_pack_input(*, in_path: str | Path, out_dir: str | Path, heldout_fraction: float) -> list[tuple[str, Path]]:
+    """What `pack` reads and where it writes, checked before any tokenizer work (the CLI runs it before the
+    tokenizer loads): the (packed shard name, source JSONL) pairs of `in_path`. Each problem names its flag."""
+    in_path, out_dir = Path(in_path), Path(out_dir)
+    if in_path.is_dir():
+        sources = _regenerate_shards(in_path)
+        if not sources:
+            raise FileNotFoundError(f"--in {in_path}: no committed shard under {in_path}/shards; pass the --out "
+                                    "directory of a `hspec data regenerate` run, or a SpecForge JSONL file")
+    elif in_path.is_file():
+        sources = [("000000.npz", in_path)]
+    else:
+        raise FileNotFoundError(f"--in {in_path}: no such file or directory; pass a `hspec data regenerate --out` "
+                                "directory or a SpecForge JSONL file")
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"--heldout {heldout_fraction}: the held-out fraction must be in [0, 1)")
+    if (out_dir / MANIFEST).is_file():
+        _out_manifest(out_dir)
+    return sources
+
+
+def _out_manifest(out_dir: Path) -> PackedManifest:
+    """The manifest already in the --out directory; one that is not a packed-data manifest names --out."""
+    try:
+        return _decode_manifest(out_dir / MANIFEST)
+    except ValueError as e:
+        raise ValueError(f"--out {out_dir} already holds a {MANIFEST} that is not a packed-data manifest ({e}); "
+                         f"pick another --out, or delete {out_dir / MANIFEST} to pack into {out_dir}") from None
+
+
 def _previous_manifest(out_dir: Path, *, fingerprint: str, heldout_fraction: float) -> PackedManifest | None:
     """The manifest already in out_dir, when its shards can be kept (same tokenizer and split)."""
     if not (out_dir / MANIFEST).is_file():
         return None
-    manifest = read_manifest(out_dir)
+    manifest = _out_manifest(out_dir)
     if manifest.tokenizer_fingerprint != fingerprint or manifest.heldout_fraction != heldout_fraction:
         return None  # another tokenizer or split: every shard is packed again
     return manifest
@@ -280,11 +310,32 @@ def read_manifest(path: str | Path) -> PackedManifest:
     file = path if path.name == MANIFEST else path / MANIFEST
     fix = "pack it again with `hspec data pack --in <regenerate dir or JSONL> --out DIR`"
     try:
-        return msgspec.json.decode(file.read_bytes(), type=PackedManifest)
+        return _decode_manifest(file)
+    except NotADirectoryError:
+        raise FileNotFoundError(f"{path} is a file, not a packed directory (one holding {MANIFEST}); pass the --out "
+                                f"directory of `hspec data pack`, or {fix}") from None
     except FileNotFoundError:
         raise FileNotFoundError(f"{file}: no such file; a packed directory holds {MANIFEST} ({fix})") from None
-    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as e:
+    except ValueError as e:
         raise ValueError(f"{file} is not a packed-data manifest ({e}); {fix}") from None
+
+
+def _decode_manifest(file: Path) -> PackedManifest:
+    """The manifest in `file`, or a ValueError with the cause: the format first (another tool's manifest lacks
+    our fields because it is another format), then the first field that is wrong."""
+    raw = file.read_bytes()
+    try:
+        head = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(head, dict):
+        raise ValueError(f"a JSON {type(head).__name__}, not an object")
+    if head.get("format") != PACKED_FORMAT:
+        raise ValueError(f"format {head.get('format')!r} is not {PACKED_FORMAT!r}")
+    try:
+        return msgspec.json.decode(raw, type=PackedManifest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ValueError(str(e)) from None
 
 
 def _load_arrays(path: Path) -> dict[str, np.ndarray]:

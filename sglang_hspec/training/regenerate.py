@@ -35,6 +35,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -590,6 +591,47 @@ def record_run(out_dir: str | Path, *, settings: dict[str, Any], dtype: str, dev
     _write_atomic(path, [previous, json.dumps(row, ensure_ascii=False) + "\n"])
 
 
+# flag -> (attribute, what it counts); each must be an integer >= 1
+_POSITIVE_FLAGS = (
+    ("--batch-size", "batch_size", "requests per engine call"),
+    ("--slots", "slots", "rows decoded together"),
+    ("--max-new-tokens", "max_new_tokens", "tokens per reply"),
+    ("--max-prompt-tokens", "max_prompt_tokens", "prompt tokens; longer prompts are skipped"),
+    ("--max-turns", "max_turns", "user turns answered per conversation"),
+    ("--threads", "threads", "torch threads"),
+)
+
+
+def check_regenerate_flags(args) -> None:
+    """`hspec data regenerate`'s flags, checked before the target loads and before anything is written; each
+    problem names its flag, the range and the fix."""
+    for flag, attr, what in _POSITIVE_FLAGS:
+        value = getattr(args, attr)
+        if value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1 ({what}), got {value}")
+    for flag, value, what in (("--max-batch-tokens", args.max_batch_tokens, "a cap on requests x longest prompt"),
+                              ("--limit", args.limit, "input records to read")):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1 ({what}), got {value}; drop it for the default")
+    if args.max_batches is not None and args.max_batches < 0:
+        raise ValueError(f"--max-batches must be an integer >= 0 (batches this run; 0: only merge the shards "
+                         f"already committed), got {args.max_batches}; drop it to run every batch")
+    if not 0 <= args.heldout < 1:
+        raise ValueError(f"--heldout must be a fraction in [0, 1) (the held-out share, split by id hash), "
+                         f"got {args.heldout}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1] (1 disables nucleus sampling), got {args.top_p}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 disables top-k), got {args.top_k}")
+    for p in args.in_paths:
+        if not Path(p).is_file():
+            what = "is a directory" if Path(p).is_dir() else "does not exist"
+            raise FileNotFoundError(f"--in {p} {what}; pass a SpecForge JSONL file of prompts, e.g. the train.jsonl "
+                                    "of `hspec data build --out DIR`")
+
+
 def run_cli(args) -> int:
     import torch
 
@@ -597,13 +639,17 @@ def run_cli(args) -> int:
     from sglang_hspec.engine.engine import SpeculativeEngine
     from sglang_hspec.engine.loading import load_drafter_spec
     from sglang_hspec.target.loading import load_target, resolve_device
+    from sglang_hspec.training.config import make_output_dir
     from sglang_hspec.training.data import evaluation_prompt_texts
 
-    # read first: a bad --eval-texts file is answered before the target loads
+    # flags and files first: a bad one is answered before the target loads and before --out is created
+    check_regenerate_flags(args)
     exclude_texts = evaluation_prompt_texts(args.eval_texts)
+    device = resolve_device(args.device)
+    make_output_dir(args.out, name="--out")  # the real cause (a file in the way, permissions) up front
     torch.set_num_threads(args.threads)
     # dozens of requests per forward: the batched workload's dtype (target/dtypes.py)
-    adapter = load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), workload="batch")
+    adapter = load_target(args.target, dtype=args.dtype, device=device, workload="batch")
     record_run(args.out, settings={k: v for k, v in vars(args).items() if k != "func"},
                dtype=str(adapter.dtype).replace("torch.", ""), device=str(adapter.device))
     if args.drafter == "none":

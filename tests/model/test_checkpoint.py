@@ -146,6 +146,25 @@ def test_invalid_config_fields_name_the_file(tmp_path, target, damage, message):
     assert str(err.value).startswith(f"{tmp_path / 'config.json'}") and message in str(err.value)
 
 
+@pytest.mark.parametrize("field, value, example", [("target_layer_ids", 3, "[1, 8, 15, 22, 28]"),
+                                                    ("kv_reuse_layer_ids", "15,22", "[15, 22, 28]")])
+def test_layer_ids_that_are_not_a_list_name_the_file_and_field(tmp_path, target, field, value, example):
+    """An integer (or a string) where a list of layer ids belongs is answered before the geometry comparison
+    iterates it (it raised `TypeError: Value after * must be an iterable`); the checkpoint is left as it was."""
+    geom, args = _saved(tmp_path, target)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["hspec"][field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError) as err:
+        load_drafter(tmp_path, geom, *args)
+    assert str(err.value) == (
+        f"{tmp_path / 'config.json'}: invalid drafter config: {field} must be a list of target layer ids (integers, "
+        f"e.g. {example}), got {value!r}; re-copy the checkpoint, or write it again with "
+        "sglang_hspec.model.checkpoint.save_drafter")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 # ------------------------------------------------------------------ crash safety
 
 

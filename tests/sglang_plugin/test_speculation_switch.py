@@ -232,7 +232,7 @@ def test_guard_env_values(raw, on):
 def test_guard_env_typo_names_variable():
     from sglang_hspec.sglang_plugin.speculation_policy import speculation_guard
 
-    with pytest.raises(ValueError, match=r"HSPEC_SPECULATION_GUARD='yes' is not 0 or 1"):
+    with pytest.raises(ValueError, match=r"HSPEC_SPECULATION_GUARD='yes': use 1 \(correct the auto switch"):
         speculation_guard({"HSPEC_SPECULATION_GUARD": "yes"})
 
 

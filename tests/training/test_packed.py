@@ -193,3 +193,104 @@ def test_bad_inputs_name_the_path(tmp_path, tokenizer):
     (tmp_path / "bad" / "manifest.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match=r"bad/manifest\.json is not a packed-data manifest"):
         packed.read_manifest(tmp_path / "bad")
+
+
+# ------------------------------------------------------------------ the CLI's bad inputs
+def _tree(root):
+    """Every file under root with its bytes: what a failed command must leave as it was."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def cli_inputs(tmp_path, tokenizer):
+    """A JSONL to pack, a packed set, a file in the way and a directory holding another format's manifest."""
+    src = _write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS[:2])
+    packed.pack(in_path=src, out_dir=tmp_path / "p", tokenizer=tokenizer, target="embedded", progress=False)
+    (tmp_path / "afile").write_text("in the way\n")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "manifest.json").write_text('{"format": "other-packer/2", "shards": []}')
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["pack", "--in", "{t}/nope.jsonl", "--out", "{t}/o"],
+     "--in {t}/nope.jsonl: no such file or directory; pass a `hspec data regenerate --out` directory or a SpecForge "
+     "JSONL file"),
+    (["pack", "--in", "{t}/in.jsonl", "--out", "{t}/o", "--heldout", "2"],
+     "--heldout 2.0: the held-out fraction must be in [0, 1)"),
+    (["pack", "--in", "{t}/in.jsonl", "--out", "{t}/afile/o"],
+     "--out {t}/afile/o cannot be created: {t}/afile is a file, not a directory; pick another --out"),
+    (["pack", "--in", "{t}/in.jsonl", "--out", "{t}/foreign"],
+     "--out {t}/foreign already holds a manifest.json that is not a packed-data manifest (format 'other-packer/2' is "
+     "not 'hspec-packed/1'); pick another --out, or delete {t}/foreign/manifest.json to pack into {t}/foreign"),
+    (["unpack", "--in", "{t}/foreign", "--out", "{t}/u"],
+     "{t}/foreign/manifest.json is not a packed-data manifest (format 'other-packer/2' is not 'hspec-packed/1'); "
+     "pack it again with `hspec data pack --in <regenerate dir or JSONL> --out DIR`"),
+    (["unpack", "--in", "{t}/nope", "--out", "{t}/u"],
+     "{t}/nope/manifest.json: no such file; a packed directory holds manifest.json (pack it again with "
+     "`hspec data pack --in <regenerate dir or JSONL> --out DIR`)"),
+    (["unpack", "--in", "{t}/p", "--out", "{t}/afile/u"],
+     "--out {t}/afile/u cannot be created: {t}/afile is a file, not a directory; pick another --out"),
+    (["unpack", "--in", "{t}/in.jsonl", "--out", "{t}/u"],
+     "{t}/in.jsonl is a file, not a packed directory (one holding manifest.json); pass the --out directory of "
+     "`hspec data pack`, or pack it again with `hspec data pack --in <regenerate dir or JSONL> --out DIR`"),
+], ids=["pack-in-missing", "pack-heldout-2", "pack-out-under-a-file", "pack-out-foreign-manifest",
+        "unpack-foreign-manifest", "unpack-no-manifest", "unpack-out-under-a-file", "unpack-in-a-file"])
+def test_cli_bad_flags_are_answered_before_the_tokenizer_loads(cli_inputs, monkeypatch, capsys, argv, message):
+    from sglang_hspec.cli import main
+    from sglang_hspec.target import loading
+
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *a, **k: pytest.fail("the tokenizer loaded"))
+    before = _tree(cli_inputs)
+    assert main(["data", *[a.format(t=cli_inputs) for a in argv]]) == 2
+    assert capsys.readouterr().err == f"error: {message.format(t=cli_inputs)}\n"
+    assert _tree(cli_inputs) == before and not (cli_inputs / "o").exists() and not (cli_inputs / "u").exists()
+
+
+def _damage_shard(root):
+    shard = root / "p" / "000000.npz"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["no-id", "string-messages", "unknown-role", "nothing-to-pack", "damaged-shard",
+                                  "other-tokenizer"])
+def test_cli_bad_data_names_the_file_and_writes_nothing(cli_inputs, tokenizer, monkeypatch, capsys, case):
+    from sglang_hspec.cli import main
+    from sglang_hspec.target import loading
+
+    t = cli_inputs
+    other = _LossyDecode(tokenizer)  # another class: another tokenizer fingerprint
+    monkeypatch.setattr(loading, "load_tokenizer", lambda spec: other if spec == "other" else tokenizer)
+    pack = ["data", "pack", "--in", str(t / "bad.jsonl"), "--out", str(t / "o")]
+    unpack = ["data", "unpack", "--in", str(t / "p"), "--out", str(t / "u")]
+    fingerprint = packed.read_manifest(t / "p").tokenizer_fingerprint
+    argv, message = {
+        "no-id": (pack, f"{t}/bad.jsonl:2: a record needs an 'id' (SpecForge layout) to pack"),
+        "string-messages": (pack, f"{t}/bad.jsonl:2: 'conversations' must be a list of {{role, content}} messages "
+                                  "(SpecForge layout) to pack; fix or remove that line"),
+        "unknown-role": (pack, f"{t}/bad.jsonl:2: message {{'role': 'robot', 'content': 'beep'}} needs role in "
+                               "('system', 'user', 'assistant') (or ShareGPT from/value) and string content; fix or "
+                               "remove that line"),
+        "nothing-to-pack": (pack, f"--in {t}/bad.jsonl: no conversation to pack (no record whose conversation "
+                                  "renders to tokens); pass a SpecForge JSONL of {id, conversations} records"),
+        "damaged-shard": (unpack, f"{t}/p/000000.npz: its sha256 differs from {t}/p/manifest.json's (a damaged or "
+                                  "hand-edited shard); restore it (git checkout) or pack the set again"),
+        "other-tokenizer": ([*unpack, "--target", "other"],
+                            f"--target other: its tokenizer is not the one {t}/p was packed with (fingerprint "
+                            f"{fingerprint}, target 'embedded'), so its ids would decode to other text; pass "
+                            "--target embedded"),
+    }[case]
+    good = {"id": "a", "conversations": CONVERSATIONS[0]}
+    bad = {"no-id": {"conversations": CONVERSATIONS[0]},
+           "string-messages": {"id": "b", "conversations": ["What is 2+2?", "4."]},
+           "unknown-role": {"id": "b", "conversations": [{"role": "robot", "content": "beep"}]}}.get(case, good)
+    (t / "bad.jsonl").write_text("\n" if case == "nothing-to-pack" else json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    if case == "damaged-shard":
+        _damage_shard(t)
+    before = _tree(t)
+    assert main(argv) == 2
+    err = capsys.readouterr().err  # after pack's progress bar, if it started
+    assert err.endswith(f"\nerror: {message}\n") or err == f"error: {message}\n"
+    assert _tree(t) == before and not (t / "o").exists() and not (t / "u").exists()

@@ -294,6 +294,60 @@ def test_bad_input_names_the_file_and_the_fix(tmp_path, tokenizer):
                        out_dir=tmp_path / "busy", progress=False)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1 (requests per engine call), got 0"),
+    (["--slots", "0"], "--slots must be an integer >= 1 (rows decoded together), got 0"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be an integer >= 1 (tokens per reply), got -1"),
+    (["--max-prompt-tokens", "0"],
+     "--max-prompt-tokens must be an integer >= 1 (prompt tokens; longer prompts are skipped), got 0"),
+    (["--max-turns", "0"], "--max-turns must be an integer >= 1 (user turns answered per conversation), got 0"),
+    (["--threads", "0"], "--threads must be an integer >= 1 (torch threads), got 0"),
+    (["--max-batch-tokens", "0"], "--max-batch-tokens must be an integer >= 1 (a cap on requests x longest "
+                                  "prompt), got 0; drop it for the default"),
+    (["--limit", "0"], "--limit must be an integer >= 1 (input records to read), got 0; drop it for the default"),
+    (["--max-batches", "-1"], "--max-batches must be an integer >= 0 (batches this run; 0: only merge the shards "
+                              "already committed), got -1; drop it to run every batch"),
+    (["--heldout", "2"], "--heldout must be a fraction in [0, 1) (the held-out share, split by id hash), got 2.0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    (["--top-p", "0"], "--top-p must be in (0, 1] (1 disables nucleus sampling), got 0.0"),
+    (["--top-k", "-1"], "--top-k must be >= 0 (0 disables top-k), got -1"),
+], ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_regenerate_flags_are_checked_before_the_target_loads(tmp_path, monkeypatch, flags, message):
+    """Each bad flag is named (not the library's batch_size / max_turns), before the target loads (here: loading
+    it fails the test) and before --out is created."""
+    from sglang_hspec.cli import main as hspec_main
+    from sglang_hspec.target import loading
+
+    monkeypatch.setattr(loading, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    src = _write(tmp_path / "in.jsonl", [{"id": "a", "conversations": _conv("q", "a")}])
+    argv = ["regenerate", "--in", str(src), "--out", str(tmp_path / "out"), *flags]
+    with pytest.raises(ValueError) as err:
+        data_main(argv)
+    assert str(err.value) == message
+    assert hspec_main(["data", *argv]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # nothing written
+
+
+@pytest.mark.parametrize("where, message", [
+    ("out", "--out {tmp}/afile/out cannot be created: {tmp}/afile is a file, not a directory; pick another --out"),
+    ("in", "--in {tmp}/missing.jsonl does not exist; pass a SpecForge JSONL file of prompts, e.g. the train.jsonl "
+           "of `hspec data build --out DIR`"),
+])
+def test_regenerate_out_under_a_file_and_a_missing_in_name_the_flag(tmp_path, monkeypatch, where, message):
+    from sglang_hspec.target import loading
+
+    monkeypatch.setattr(loading, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    (tmp_path / "afile").write_text("in the way\n")
+    src = _write(tmp_path / "in.jsonl", [{"id": "a", "conversations": _conv("q", "a")}])
+    argv = ["regenerate", "--in", str(tmp_path / "missing.jsonl") if where == "in" else str(src),
+            "--out", str(tmp_path / ("afile" if where == "out" else "") / "out")]
+    with pytest.raises(OSError) as err:
+        data_main(argv)
+    assert str(err.value) == message.format(tmp=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "in.jsonl"]
+    assert (tmp_path / "afile").read_text() == "in the way\n"
+
+
 @pytest.fixture(scope="module")
 def tiny_chat_target(tmp_path_factory, tokenizer):
     return save_tiny_target(tmp_path_factory.mktemp("tiny") / "target", tokenizer=tokenizer, dtype=torch.float32)
