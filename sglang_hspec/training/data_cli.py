@@ -66,6 +66,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     u.add_argument("--in", dest="in_path", required=True, help="packed directory (with manifest.json)")
     u.add_argument("--out", required=True, help="output directory")
     u.add_argument("--target", default="embedded", help="the target whose tokenizer decodes the ids")
+    u.add_argument("--shards", action="store_true",
+                   help="also write the regenerate directory layout (shards/), so that rerunning the set's "
+                        "regenerate command with this --out resumes after the packed shards")
     u.set_defaults(func=run_cli)
     return p
 
@@ -140,7 +143,7 @@ def _run_pack(args) -> int:
                              f"(fingerprint {manifest.tokenizer_fingerprint}, target {manifest.target!r}), so its "
                              f"ids would decode to other text; pass --target {manifest.target}")
         print(json.dumps({"out": args.out, "records": packed.unpack(path=args.in_path, out_dir=args.out,
-                                                                    tokenizer=tokenizer)}))
+                                                                    tokenizer=tokenizer, shards=args.shards)}))
         return 0
     manifest = packed.pack(in_path=args.in_path, out_dir=args.out, tokenizer=tokenizer, target=args.target,
                            heldout_fraction=args.heldout,

@@ -52,6 +52,9 @@ class PackedShard(msgspec.Struct, frozen=True, kw_only=True):
     conversations: int
     tokens: int
     target_tokens: int  # loss-mask tokens: what the target wrote (its end-of-turn tokens included)
+    # sha256 of the regeneration shard (or JSONL) it was packed from: packing another source under the same
+    # name is refused instead of keeping the old shard ("" in sets packed before it was recorded)
+    source_sha256: str = ""
 
     def __post_init__(self) -> None:
         if "/" in self.file or not self.file.endswith(".npz"):
@@ -213,6 +216,12 @@ def pack(*, in_path: str | Path, out_dir: str | Path, tokenizer, target: str, he
     shards: list[PackedShard] = []
     heldout_ids: list[str] = []
     for name, source in tqdm(sources, desc=f"pack {in_path.name}", unit="shard", disable=not progress):
+        source_sha = _sha256(source)
+        if name in kept and kept[name].source_sha256 not in ("", source_sha):
+            raise ValueError(f"--in {source} is not the shard packed as {out_dir / name} (another regeneration, its "
+                             f"sha256 differs): pack into a new --out, or, to grow this set, restore its regenerate "
+                             f"directory first with `hspec data unpack --in {out_dir} --out <regenerate dir> --shards` "
+                             "and rerun the regenerate command there")
         if name in kept and (out_dir / name).is_file() and _sha256(out_dir / name) == kept[name].sha256:
             shard = kept[name]
             arrays = _load_arrays(out_dir / name)
@@ -240,16 +249,23 @@ def pack(*, in_path: str | Path, out_dir: str | Path, tokenizer, target: str, he
                 f.write(data)
             mask = np.unpackbits(arrays["loss_mask_bits"])[: len(arrays["input_ids"])]
             shard = PackedShard(file=name, sha256=hashlib.sha256(data).hexdigest(), conversations=len(arrays["ids"]),
-                                tokens=len(arrays["input_ids"]), target_tokens=int(mask.sum()))
+                                tokens=len(arrays["input_ids"]), target_tokens=int(mask.sum()),
+                                source_sha256=source_sha)
         shards.append(shard)
         heldout_ids += [str(i) for i, s in zip(arrays["ids"], arrays["split"]) if s]
-    for stale in set(kept) - {s.file for s in shards}:
-        (out_dir / stale).unlink(missing_ok=True)
+    # shards packed before whose source is not here (a regenerate directory on another machine) stay as they are
+    for name in sorted(set(kept) - {s.file for s in shards}):
+        shards.append(kept[name])
+        heldout_ids += [str(i) for i, s in zip(*(_load_arrays(out_dir / name)[k] for k in ("ids", "split"))) if s]
+    shards.sort(key=lambda s: s.file)
     manifest = PackedManifest(
         format=PACKED_FORMAT, target=target, tokenizer_fingerprint=fingerprint, vocab_size=vocab_size,
         token_dtype=token_dtype, heldout_fraction=heldout_fraction, heldout_ids=sorted(heldout_ids),
-        excluded_eval_sets=list(EXCLUDED_EVAL_SETS), generation=generation or [],
-        prompt_sources=prompt_sources or {}, conversations=sum(s.conversations for s in shards),
+        excluded_eval_sets=list(EXCLUDED_EVAL_SETS),
+        # a set grown on several machines keeps every run that wrote it, and its prompt build
+        generation=[*(previous.generation if previous else []),
+                    *(r for r in generation or [] if not previous or r not in previous.generation)],
+        prompt_sources=prompt_sources or (previous.prompt_sources if previous else {}), conversations=sum(s.conversations for s in shards),
         tokens=sum(s.tokens for s in shards), target_tokens=sum(s.target_tokens for s in shards), shards=shards)
     atomic_write_text(out_dir / MANIFEST, msgspec.json.format(msgspec.json.encode(manifest), indent=1).decode() + "\n")
     return manifest
@@ -373,7 +389,7 @@ def iter_packed(path: str | Path, *, splits: Sequence[str] = SPLITS, tokenizer=N
                 continue
             ids = a["input_ids"][tok[i]:tok[i + 1]]
             ex = {"id": str(rid), "split": SPLITS[int(a["split"][i])], "input_ids": ids.astype(np.int64),
-                  "loss_mask": mask[tok[i]:tok[i + 1]]}
+                  "loss_mask": mask[tok[i]:tok[i + 1]], "shard": shard.file}
             if tokenizer is not None:
                 ex["conversations"] = _messages(a, i, ids, tokenizer)
             yield ex
@@ -410,17 +426,34 @@ def load_packed_examples(path: str | Path, *, tokenizer, max_length: int) -> lis
     return out
 
 
-def unpack(*, path: str | Path, out_dir: str | Path, tokenizer) -> dict[str, int]:
+def unpack(*, path: str | Path, out_dir: str | Path, tokenizer, shards: bool = False) -> dict[str, int]:
     """SpecForge JSONL (train.jsonl / heldout.jsonl of {id, conversations}) from a packed directory, exactly
-    the conversations that were packed. Returns the records per split."""
+    the conversations that were packed. Returns the records per split. `shards`: also the regenerate directory
+    layout (shards/NNNNNN.jsonl with its status file, one per packed shard: byte for byte the shards regenerate
+    wrote, whose conversations open with a user turn), so that rerunning the set's regenerate command with this --out resumes after them and
+    packing again keeps the committed shards."""
     lines: dict[str, list[str]] = {s: [] for s in SPLITS}
+    by_shard: dict[str, list[dict[str, Any]]] = {}
     for ex in iter_packed(path, tokenizer=tokenizer):
-        lines[ex["split"]].append(json.dumps({"id": ex["id"], "conversations": ex["conversations"]},
-                                             ensure_ascii=False) + "\n")
+        line = json.dumps({"id": ex["id"], "conversations": ex["conversations"]}, ensure_ascii=False) + "\n"
+        lines[ex["split"]].append(line)
+        by_shard.setdefault(ex["shard"], []).append({"line": line, "id": ex["id"],
+                                                     "target_tokens": int(ex["loss_mask"].sum())})
     out_dir = Path(out_dir)
     for split, split_lines in lines.items():
         with atomic_open(out_dir / f"{split}.jsonl", "w") as f:
             f.writelines(split_lines)
+    if shards:
+        from sglang_hspec.training.regenerate import SHARD_DIR
+
+        for name, rows in by_shard.items():
+            stem = out_dir / SHARD_DIR / Path(name).stem
+            # the status file first: a records file without one is refused by regenerate (its commit order)
+            with atomic_open(stem.with_suffix(".status.jsonl"), "w") as f:
+                f.writelines(json.dumps({"id": r["id"], "status": "succeeded", "reason": None,
+                                         "target_tokens": r["target_tokens"], "truncated": 0}) + "\n" for r in rows)
+            with atomic_open(stem.with_suffix(".jsonl"), "w") as f:
+                f.writelines(r["line"] for r in rows)
     return {s: len(v) for s, v in lines.items()}
 
 

@@ -294,3 +294,30 @@ def test_cli_bad_data_names_the_file_and_writes_nothing(cli_inputs, tokenizer, m
     err = capsys.readouterr().err  # after pack's progress bar, if it started
     assert err.endswith(f"\nerror: {message}\n") or err == f"error: {message}\n"
     assert _tree(t) == before and not (t / "o").exists() and not (t / "u").exists()
+
+
+def test_unpack_shards_restores_the_regenerate_dir_byte_for_byte_and_another_source_is_refused(tmp_path, tokenizer):
+    # regenerate writes {role, content} conversations that open with a user turn, as these
+    regen = _regen_dir(tmp_path / "regen", {0: [CONVERSATIONS[0], CONVERSATIONS[2]], 1: CONVERSATIONS[3:5]})
+    out = tmp_path / "packed"
+    packed.pack(in_path=regen, out_dir=out, tokenizer=tokenizer, target="embedded", progress=False,
+                generation=[{"command": "hspec data regenerate ..."}])
+    restored = tmp_path / "restored"
+    packed.unpack(path=out, out_dir=restored, tokenizer=tokenizer, shards=True)
+    for n in ("000000", "000001"):
+        assert (restored / "shards" / f"{n}.jsonl").read_bytes() == (regen / "shards" / f"{n}.jsonl").read_bytes()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # the restored directory packs to the same set, and keeps the runs that wrote it
+    manifest = packed.pack(in_path=restored, out_dir=out, tokenizer=tokenizer, target="embedded", progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert manifest.generation == [{"command": "hspec data regenerate ..."}]
+    # a fresh regeneration elsewhere (shard 0 of other conversations) is refused, not silently kept
+    other = _regen_dir(tmp_path / "other", {0: CONVERSATIONS[2:3]})
+    with pytest.raises(ValueError, match=r"--in .*other/shards/000000\.jsonl is not the shard packed as .*000000\.npz"):
+        packed.pack(in_path=other, out_dir=out, tokenizer=tokenizer, target="embedded", progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # a regenerate directory holding only a later shard adds it and keeps the committed ones
+    later = _regen_dir(tmp_path / "later", {2: CONVERSATIONS[:1]})
+    manifest = packed.pack(in_path=later, out_dir=out, tokenizer=tokenizer, target="embedded", progress=False)
+    assert [s.file for s in manifest.shards] == ["000000.npz", "000001.npz", "000002.npz"]
+    assert (out / "000000.npz").read_bytes() == before["000000.npz"]
