@@ -16,6 +16,11 @@
 #   HSPEC-no-overlap   HSPEC with --disable-overlap-schedule: HSPEC+lookup's control
 #   HSPEC+auto+lookup  HSPEC+auto with the lookup splice (and so --disable-overlap-schedule): the switch reads the
 #                 spliced slots' confidences, so it drafts where drafter and lookup together pay
+#   DSPARK        SGLang's own --speculative-algorithm DSPARK with the drafter DSPARK_DRAFTER names: an SGLang DSpark
+#                 checkpoint (`hspec export-dspark` output) or our dspark baseline (save_drafter; exported here).
+#                 Unset: an UNTRAINED dspark baseline of configs/train_dspark_smollm2.yaml (q/k norms included) is
+#                 exported for the target, and its tau means nothing; only its cost per step is real
+#                 (SERVERS=none,HSPEC,DSPARK compares the three on one target and load)
 # The servers run side by side but the benchmark drives one at a time; --sleep-on-idle keeps the idle ones
 # off the cores (SGLang's scheduler loop otherwise polls at full speed). MT-Bench closed loop; the first
 # server named is the baseline of the 'vs' column.
@@ -45,6 +50,51 @@ mkdir -p "$out"
 # the machine beside every result (the CPU differs between machines): printed and kept with the results
 .venv/bin/python -c "from sglang_hspec.target.dtypes import describe_machine as d; print('machine:', d(), '| servers $dtype')" \
   | tee "$out/machine.txt"
+dspark_drafter=
+if [[ ",$servers," == *,DSPARK,* ]]; then
+  # DSPARK's drafter in SGLang's DSpark layout (sglang_hspec/sglang_plugin/export_dspark.py); where it came from
+  # goes to dspark_drafter.txt beside the results
+  dspark_drafter=$(.venv/bin/python - "$target" "$out/dspark_drafter" "${DSPARK_DRAFTER:-}" <<'EOF'
+import json, sys
+from pathlib import Path
+target, out, given = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+from sglang_hspec.sglang_plugin.export_dspark import export_dspark
+if given:
+    src = Path(given)
+    if not (src / "config.json").is_file():
+        sys.exit(f"DSPARK_DRAFTER={given}: no config.json there; point it at an `hspec export-dspark` output "
+                 "or at a dspark drafter written by save_drafter")
+    if "hspec" in json.loads((src / "config.json").read_text()):  # ours: export it
+        dst, source = export_dspark(src, out, tokenizer_from=target), f"{given} (exported to {out})"
+    else:
+        dst, source = src, given
+else:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from sglang_hspec.model.checkpoint import build_drafter, save_drafter
+    from sglang_hspec.training.config import load_config
+    from sglang_hspec.training.trainer import drafter_config
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    cfg = drafter_config(load_config("configs/train_dspark_smollm2.yaml"), model)
+    torch.manual_seed(0)
+    drafter = build_drafter("dspark", cfg, model.get_input_embeddings(), model.get_output_embeddings())
+    save_drafter(drafter, out / "ours")
+    dst = export_dspark(out / "ours", out / "sglang", tokenizer_from=target)
+    source = (f"UNTRAINED dspark baseline (configs/train_dspark_smollm2.yaml, {cfg.num_layers} layers, qk_norm "
+              f"{str(cfg.qk_norm).lower()}, random weights, exported to {dst}): DSPARK's tau and speedup mean "
+              "nothing, only its cost per step is real; set DSPARK_DRAFTER to a trained dspark drafter")
+out.parent.mkdir(parents=True, exist_ok=True)
+(out.parent / "dspark_drafter.txt").write_text(f"DSPARK drafter: {source}\n")
+print(dst)
+EOF
+  )
+  if [ -z "${DSPARK_DRAFTER:-}" ]; then
+    echo "################################################################################"
+    echo "# WARNING: DSPARK_DRAFTER is unset, so DSPARK serves an UNTRAINED drafter: its tau means nothing"
+    echo "################################################################################"
+  fi
+  cat "$out/dspark_drafter.txt"
+fi
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
@@ -84,8 +134,10 @@ for name in "${names[@]}"; do
                   HSPEC_AUTO_PROFILE_SPS=1 HSPEC_SPECULATION=auto HSPEC_LOOKUP=1 "${profile_env[@]}" -- "${spec[@]}" \
                   "${sts[@]}" --disable-overlap-schedule ;;
     HSPEC-no-overlap) launch HSPEC_no_overlap $port sglang_cpu_testing,hspec -- "${spec[@]}" --disable-overlap-schedule ;;
+    DSPARK) launch DSPARK $port sglang_cpu_testing -- --speculative-algorithm DSPARK \
+              --speculative-draft-model-path "$dspark_drafter" ;;
     *) echo "unknown server $name (none, HSPEC, HSPEC+SPS, HSPEC+auto, HSPEC+auto-unguarded, HSPEC+lookup," \
-         "HSPEC-no-overlap, HSPEC+auto+lookup)"; exit 2 ;;
+         "HSPEC-no-overlap, HSPEC+auto+lookup, DSPARK)"; exit 2 ;;
   esac
   compare+=("$name=http://127.0.0.1:$port")
 done

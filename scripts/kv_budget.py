@@ -7,11 +7,11 @@ host RAM x --mem-fraction-static, moves with whatever else runs) and no --max-to
 
     .venv-sglang/bin/python scripts/kv_budget.py                      # embedded SmolLM2, 256 MiB, float32
 
-DSPARK's drafter: our dspark baseline exported by `hspec export-dspark`. The exporter accepts Qwen3-style
-targets only (SGLang's DSpark layers always apply q/k norms, SmolLM2 has none), so on such a target the
-script exports an untrained stand-in of the same architecture (layers, KV heads, head_dim: all the pool
-sizing reads) with q/k norms added: configs/train_dspark_smollm2.yaml's model section, or the trained
-checkpoint's config when runs/dspark_smollm2/checkpoint-100/drafter exists.
+DSPARK's drafter: our dspark baseline exported by `hspec export-dspark`: the trained checkpoint
+runs/dspark_smollm2/checkpoint-100/drafter when it exists and has q/k norms (qk_norm, which SGLang's DSpark
+layers always apply; configs/train_dspark_smollm2.yaml sets it), else an untrained drafter of the real
+architecture: configs/train_dspark_smollm2.yaml's model section, or the trained checkpoint's config with
+qk_norm set (the pool sizing reads only layers, KV heads, head_dim and dtype).
 """
 
 from __future__ import annotations
@@ -44,16 +44,16 @@ def dspark_drafter_for(target_dir: Path, out: Path) -> tuple[Path, str]:
 
     if TRAINED_DSPARK.exists():
         cfg = HSpecConfig.from_dict(json.loads((TRAINED_DSPARK / "config.json").read_text())["hspec"])
-        if cfg.target.qk_norm:
+        if cfg.qk_norm:
             return export_dspark(TRAINED_DSPARK, out, tokenizer_from=target_dir), str(TRAINED_DSPARK)
-        source = f"untrained stand-in with the architecture of {TRAINED_DSPARK.relative_to(ROOT)}"
+        # trained before the recipe set qk_norm: the same architecture with the norms SGLang applies
+        cfg = dataclasses.replace(cfg, qk_norm=True)
+        source = f"untrained drafter with the architecture of {TRAINED_DSPARK.relative_to(ROOT)}, qk_norm set"
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     if not TRAINED_DSPARK.exists():
         cfg = drafter_config(load_config(DSPARK_YAML), target)
-        source = f"untrained stand-in built from {DSPARK_YAML.relative_to(ROOT)} (model section)"
-    if not cfg.target.qk_norm:  # only the exporter's q/k-norm check changes; the KV geometry stays
-        cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, qk_norm=True))
-        source += ", q/k norms added"
+        source = f"untrained drafter built from {DSPARK_YAML.relative_to(ROOT)} (model section)"
+    torch.manual_seed(0)
     model = build_drafter("dspark", cfg, target.get_input_embeddings(), target.get_output_embeddings())
     save_drafter(model, out / "ours")
     return export_dspark(out / "ours", out / "sglang", tokenizer_from=target_dir), source
