@@ -101,6 +101,20 @@ TARGET_LINEAR_SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 
 
 
 @torch.no_grad()
+def cancelling_inputs(in_features: int, out_features: int, rows: int, *, dtype, device, generator: torch.Generator):
+    """x [rows, in], w [out, in] whose paired columns carry large exactly-cancelling products (x, x against w, -w,
+    64 times larger than the rest): the product is the small terms' sum, so any other summation order leaves a
+    residue of many ulps, where a random input would hide it."""
+    pairs = in_features // 4
+    big_x = torch.randn(rows, pairs, generator=generator) * 64
+    big_w = torch.randn(out_features, pairs, generator=generator) * 64
+    small_x = torch.randn(rows, in_features - 2 * pairs, generator=generator)
+    small_w = torch.randn(out_features, in_features - 2 * pairs, generator=generator)
+    x = torch.cat([big_x, small_x, big_x], 1).to(device=device, dtype=dtype)
+    w = torch.cat([big_w, small_w, -big_w], 1).to(device=device, dtype=dtype)
+    return x, w
+
+
 def linear_rows_are_batch_invariant(*, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...] = TARGET_LINEAR_SHAPES,
                                     rows: tuple[int, ...] = (2, 8, 9, 33), device: str | torch.device = "cpu",
                                     seed: int = 0) -> bool:
@@ -116,13 +130,7 @@ def linear_rows_are_batch_invariant(*, dtype: torch.dtype, shapes: tuple[tuple[i
     gen = torch.Generator(device="cpu").manual_seed(seed)
     m = max(rows)
     for in_features, out_features in shapes:
-        pairs = in_features // 4
-        big_x = torch.randn(m, pairs, generator=gen) * 64
-        big_w = torch.randn(out_features, pairs, generator=gen) * 64
-        small_x = torch.randn(m, in_features - 2 * pairs, generator=gen)
-        small_w = torch.randn(out_features, in_features - 2 * pairs, generator=gen)
-        x = torch.cat([big_x, small_x, big_x], 1).to(device=device, dtype=dtype)
-        weight = torch.cat([big_w, small_w, -big_w], 1).to(device=device, dtype=dtype)
+        x, weight = cancelling_inputs(in_features, out_features, m, dtype=dtype, device=device, generator=gen)
         alone = torch.cat([torch.nn.functional.linear(x[r:r + 1], weight) for r in range(m)])
         if not all(torch.equal(torch.nn.functional.linear(x[:n], weight), alone[:n]) for n in rows):
             return False

@@ -30,6 +30,7 @@ from sglang_hspec.target.adapter import (
     TargetAdapter,
     _register_batch_invariant_attention,
     batch_invariant_attention,
+    cancelling_inputs,
     linear_shapes,
 )
 
@@ -113,21 +114,6 @@ class PaddedRowLinear(nn.Linear):
         return F.linear(torch.cat([flat, flat]), self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
 
 
-def _cancelling_inputs(in_features: int, out_features: int, rows: int, *, dtype, device, seed: int):
-    """x [rows, in], w [out, in] whose paired columns carry large exactly-cancelling products: the result is
-    the small terms' sum, so any other summation order leaves a residue of many ulps (a random input would
-    hide it: linear_rows_are_batch_invariant in target/adapter.py)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    pairs = in_features // 4
-    big_x = torch.randn(rows, pairs, generator=gen) * 64
-    big_w = torch.randn(out_features, pairs, generator=gen) * 64
-    small_x = torch.randn(rows, in_features - 2 * pairs, generator=gen)
-    small_w = torch.randn(out_features, in_features - 2 * pairs, generator=gen)
-    x = torch.cat([big_x, small_x, big_x], 1).to(device=device, dtype=dtype)
-    w = torch.cat([big_w, small_w, -big_w], 1).to(device=device, dtype=dtype)
-    return x, w
-
-
 def linear_row_modes(shapes, *, dtype: torch.dtype, device: str | torch.device = "cpu",
                      seed: int = 0) -> dict[tuple[int, int], str]:
     """Per (in_features, out_features): 'invariant' (a row gets the same bits alone or among 2..16 rows),
@@ -136,7 +122,8 @@ def linear_row_modes(shapes, *, dtype: torch.dtype, device: str | torch.device =
     m = max(PROBE_ROWS)
     out = {}
     for in_features, out_features in shapes:
-        x, w = _cancelling_inputs(in_features, out_features, m, dtype=dtype, device=device, seed=seed)
+        x, w = cancelling_inputs(in_features, out_features, m, dtype=dtype, device=device,
+                                 generator=torch.Generator(device="cpu").manual_seed(seed))
         alone = torch.cat([F.linear(x[r:r + 1], w) for r in range(m)])
         many = F.linear(x, w)
         among = all(torch.equal(F.linear(x[:n], w), many[:n]) for n in PROBE_ROWS)
