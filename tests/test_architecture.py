@@ -233,8 +233,8 @@ def test_tracked_text_speaks_of_the_product_only():
     ("measured in " + "sess" + "ion 33 on the Xeon", "a work period"),
     ("the same run, next " + "sess" + "ion", "a work period"),
     ("nothing else ran but this " + "sess" + "ion's tests", "a work period"),
-    ("see docs/results/amx_" + "s32/demo.txt", "a work-period name as a path part"),
-    ("rerun runs/" + "s21/bench.sh", "a work-period name as a path part"),
+    ("see docs/results/amx_s" + "32/demo.txt", "a work-period name as a path part"),
+    ("rerun runs/s" + "21/bench.sh", "a work-period name as a path part"),
     ("Reading: `../" + "shared/seeds/`", "a document outside the repo"),
     ("runs/" + "notes/i12.md", "lab notes"),
     ("as " + "iss" + "ue 12 asks", "an issue of the tracker"),
@@ -263,7 +263,7 @@ def test_recorded_artifacts_keep_their_machine_paths():
     line = '"model_path": "/' + 'root/.cache/sglang-hspec/smollm2-135m-instruct"'
     assert forbidden_lines(Path("docs/results/serving/x/bench_serve.json"), line) == []
     assert forbidden_lines(Path("docs/serving.md"), line)
-    assert forbidden_lines(Path("docs/results/x/run.json"), '"drafter_spec": "runs/' + 's30/export"')
+    assert forbidden_lines(Path("docs/results/x/run.json"), '"drafter_spec": "runs/s' + '30/export"')
 
 
 def test_cited_results_exist():

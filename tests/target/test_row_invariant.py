@@ -12,6 +12,7 @@ from torch import nn
 from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.target import row_invariant as ri
 from sglang_hspec.target.adapter import TargetAdapter
+from tests.target.test_batch_invariance import _causal_mask
 
 REAL_LINEAR = F.linear
 SHAPES = ((64, 128), (128, 64))
@@ -98,11 +99,6 @@ def test_prefills_keep_sdpa_and_short_forwards_run_the_invariant_attention(monke
             ri.row_invariant_attention(None, torch.zeros(1, 2, rows, 4, dtype=dtype),
                                        torch.zeros(1, 2, 3, 4, dtype=dtype), torch.zeros(1, 2, 3, 4, dtype=dtype), None)
     assert calls == ["sequential"] * 3 + ["sdpa"] + ["gemm"] * 3 + ["sdpa"]
-
-
-def _causal_mask(positions: torch.Tensor, keys: int, dtype) -> torch.Tensor:
-    allowed = torch.arange(keys)[None, :] <= positions[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 @pytest.mark.parametrize("boolean_mask", [False, True])
