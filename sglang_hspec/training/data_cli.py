@@ -37,7 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                           "exclude) to one file, for a machine without the prompt packages")
     e.add_argument("--out", required=True, help="output JSON file")
     e.set_defaults(func=run_cli)
-    r = sub.add_parser("regenerate", help="rewrite assistant turns with the target, batched and resumable")
+    r = sub.add_parser("regenerate", help="rewrite assistant turns with the target (our engine, or a running "
+                                          "server with --server), batched and resumable")
     from sglang_hspec.training.regenerate import add_arguments
 
     add_arguments(r)
@@ -108,6 +109,10 @@ def run_cli(args) -> int:
         return 0
     if args.data_command in ("pack", "unpack"):
         return _run_pack(args)
+    if args.server is not None:
+        from sglang_hspec.training.server_regenerate import run_server_cli
+
+        return run_server_cli(args)
     from sglang_hspec.training.regenerate import run_cli as run_regenerate
 
     return run_regenerate(args)

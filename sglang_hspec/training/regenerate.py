@@ -4,7 +4,8 @@ A drafter learns to predict *its target's* tokens, so its training replies shoul
 target in its own chat template, not by ChatGPT (ShareGPT) or a human. This module runs every prompt
 through the target (plain decoding by default, continuously batched: `ContinuousDecoder` keeps `slots`
 rows of the ragged KV cache busy, refilling each as its reply ends; or `SpeculativeEngine` with a
-drafter) and writes SpecForge JSONL.
+drafter; or, with `--server URL`, a running SGLang / OpenAI-compatible server: server_regenerate.py) and
+writes SpecForge JSONL.
 
 Turns: the first `max_turns` user turns of each conversation are answered one after another, each
 reply conditioned on the regenerated history; the conversation is cut after the last regenerated
@@ -118,6 +119,11 @@ def loop_start(token_ids: Sequence[int], period: int) -> int:
 
 LOOP_HANDLING = ("drop", "truncate")
 MIN_TRUNCATED_REPLY_TOKENS = 16  # a reply cut before its loop keeps at least this much, or is dropped
+
+
+class AbortRun(Exception):
+    """An engine failure that stops the run instead of failing its batch's records (a server that no longer
+    answers): the batch in flight is not committed, so a rerun resumes with it."""
 
 
 # ------------------------------------------------------------------ shards
@@ -275,6 +281,7 @@ def _regenerate_batch(engine, tokenizer, batch: list[_Pending], *, sampling: Sam
     reason: list[str | None] = [None] * len(batch)  # why regeneration stopped early (None: still going)
     tokens = [0] * len(batch)
     truncated = [0] * len(batch)
+    failed: list[str | None] = [None] * len(batch)
     for turn in range(max_turns):
         rows, prompts = [], []
         for b, s in enumerate(sources):
@@ -291,12 +298,20 @@ def _regenerate_batch(engine, tokenizer, batch: list[_Pending], *, sampling: Sam
             prompts.append(ids)
         if not rows:
             break
-        turn_sampling = dataclasses.replace(
-            sampling, seed=None if sampling.greedy else _batch_seed(base_seed, turn, [batch[b].id for b in rows]))
         t0 = time.perf_counter()
-        results = engine.generate(prompts, turn_sampling)
+        if getattr(engine, "takes_messages", False):  # a chat server renders the template itself
+            # one seed per request: a server samples each request on its own
+            seeds = [None if sampling.greedy else _batch_seed(base_seed, turn, [batch[b].id]) for b in rows]
+            results = engine.generate_messages([history[b] for b in rows], sampling, seeds)
+        else:
+            turn_sampling = dataclasses.replace(
+                sampling, seed=None if sampling.greedy else _batch_seed(base_seed, turn, [batch[b].id for b in rows]))
+            results = engine.generate(prompts, turn_sampling)
         progress.seconds += time.perf_counter() - t0
         for b, res in zip(rows, results):
+            if getattr(res, "error", None) is not None:  # failed for good: the whole conversation is failed
+                failed[b], reason[b] = res.error, "failed"
+                continue
             progress.generated_tokens += len(res.output_ids)
             ids, text, cut = list(res.output_ids), (res.text or "").strip(), False
             period = repetition_loop(ids, **loop_guard)
@@ -317,6 +332,10 @@ def _regenerate_batch(engine, tokenizer, batch: list[_Pending], *, sampling: Sam
                     reason[b] = "repetition_loop_truncated"
     out = []
     for b, p in enumerate(batch):
+        if failed[b] is not None:
+            out.append({"id": p.id, "status": "failed", "reason": failed[b], "conversations": [], "target_tokens": 0,
+                        "truncated": 0})
+            continue
         replies = sum(m["role"] == "assistant" for m in history[b])
         # keep the conversation up to its last good reply; none at all: the record is skipped
         while history[b] and history[b][-1]["role"] != "assistant":
@@ -491,6 +510,9 @@ def _regenerate_locked(*, engine, tokenizer, in_paths, out_dir: Path, batch_size
             results = _regenerate_batch(engine, tokenizer, batch, sampling=sampling, max_turns=max_turns,
                                         max_prompt_tokens=max_prompt_tokens, base_seed=seed, loop_guard=guard,
                                         progress=run, loops=loops)
+        except AbortRun:
+            bar.close()
+            raise
         except Exception:  # noqa: BLE001 - one bad record must not lose its batch: retry one by one
             results = []
             for rec in batch:
@@ -498,6 +520,9 @@ def _regenerate_locked(*, engine, tokenizer, in_paths, out_dir: Path, batch_size
                     results += _regenerate_batch(engine, tokenizer, [rec], sampling=sampling, max_turns=max_turns,
                                                  max_prompt_tokens=max_prompt_tokens, base_seed=seed,
                                                  loop_guard=guard, progress=run, loops=loops)
+                except AbortRun:
+                    bar.close()
+                    raise
                 except Exception as e:  # noqa: BLE001
                     results.append({"id": rec.id, "status": "failed", "reason": f"{type(e).__name__}: {e}",
                                     "conversations": [], "target_tokens": 0, "truncated": 0})
@@ -543,15 +568,31 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--in", dest="in_paths", action="append", required=True,
                    help="SpecForge JSONL of prompts (repeatable), e.g. the train.jsonl and heldout.jsonl of `data build`")
     r.add_argument("--out", required=True, help="output directory (shards/, train.jsonl, heldout.jsonl, stats.json)")
-    r.add_argument("--target", default="embedded", help="'embedded' (SmolLM2) or a local HF chat model directory")
-    r.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 (auto: bf16 only where it is faster here)")
-    r.add_argument("--device", default="auto", help="auto (the first GPU, else the CPU) | cpu | cuda | cuda:N")
-    r.add_argument("--drafter", default="none",
-                   help="none (plain decoding, continuously batched over --slots rows) | ngram | a drafter checkpoint")
+    r.add_argument("--target", default=None,
+                   help="'embedded' (SmolLM2, the default) or a local HF chat model directory; with --server only its "
+                        "tokenizer is read (default: the served model's directory, when it is one here)")
+    r.add_argument("--server", default=None,
+                   help="URL of a running SGLang (or any OpenAI-compatible) server, e.g. http://127.0.0.1:30000: the "
+                        "replies come from its /v1/chat/completions instead of our engine (greedy by default)")
+    r.add_argument("--server-model", default=None,
+                   help="--server: the request's model name (default: the first one GET /v1/models lists)")
+    r.add_argument("--concurrency", type=int, default=16, help="--server: requests in flight at once")
+    r.add_argument("--server-retries", type=int, default=3,
+                   help="--server: extra tries of a request that met a 5xx / 408 / 429 or a dropped connection; "
+                        "one that still fails is recorded as failed")
+    # the engine's own flags default to None so that --server can tell them apart from their defaults and refuse
+    # them (ENGINE_DEFAULTS fills them in for the engine)
+    r.add_argument("--dtype", default=None, help="auto | bf16 | fp32 (default auto: bf16 only where it is faster here)")
+    r.add_argument("--device", default=None, help="auto (the default: the first GPU, else the CPU) | cpu | cuda | cuda:N")
+    r.add_argument("--drafter", default=None,
+                   help="none (the default: plain decoding, continuously batched over --slots rows) | ngram | a "
+                        "drafter checkpoint")
     r.add_argument("--batch-size", type=int, default=128,
-                   help="requests per engine call, committed together as one resumable shard")
-    r.add_argument("--slots", type=int, default=32,
-                   help="drafter none: rows decoded together; a row whose reply ends takes the next prompt at once")
+                   help="requests per engine call (--server: conversations per shard), committed together as one "
+                        "resumable shard")
+    r.add_argument("--slots", type=int, default=None,
+                   help="drafter none: rows decoded together (default 32); a row whose reply ends takes the next "
+                        "prompt at once")
     r.add_argument("--max-batch-tokens", type=int, default=None,
                    help="cap on requests x longest prompt per batch; default 65536 with a speculative drafter (it "
                         "prefills a whole batch in one forward) and none with drafter none (it prefills only the "
@@ -559,7 +600,8 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--max-new-tokens", type=int, default=512)
     r.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
     r.add_argument("--max-turns", type=int, default=1, help="user turns answered per conversation (1: first only)")
-    r.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (loops often on a 135M target)")
+    r.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (loops often on a 135M target); default 0.8, with --server 0")
     r.add_argument("--loops", choices=LOOP_HANDLING, default="truncate",
                    help="a reply ending in an exact repetition loop: keep it up to the loop's first cycle "
                         "(truncate) or drop it (drop)")
@@ -569,13 +611,19 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--heldout", type=float, default=0.02, help="held-out fraction (split by id hash)")
     r.add_argument("--limit", type=int, default=None, help="read only the first N input records")
     r.add_argument("--max-batches", type=int, default=None, help="stop after N batches this run (resumable)")
-    r.add_argument("--threads", type=int, default=1, help="torch threads (1 leaves the other cores free)")
+    r.add_argument("--threads", type=int, default=None, help="torch threads (default 1: leaves the other cores free)")
+
+
+SERVER_ONLY_ARGS = ("server", "server_model", "concurrency", "server_retries")
+# what the engine path runs with when a flag is not given (None tells --server that it was not)
+ENGINE_DEFAULTS = {"target": "embedded", "dtype": "auto", "device": "auto", "drafter": "none", "slots": 32,
+                   "threads": 1, "temperature": 0.8}
 
 
 RUNS_FILE = "runs.jsonl"
 
 
-def record_run(out_dir: str | Path, *, settings: dict[str, Any], dtype: str, device: str) -> None:
+def record_run(out_dir: str | Path, *, settings: dict[str, Any], dtype: str | None, device: str) -> None:
     """Append this run's command, settings and machine to out_dir/runs.jsonl (what `hspec data pack` puts into
     a packed set's manifest: how its replies were written)."""
     import shlex
@@ -607,7 +655,7 @@ def check_regenerate_flags(args) -> None:
     problem names its flag, the range and the fix."""
     for flag, attr, what in _POSITIVE_FLAGS:
         value = getattr(args, attr)
-        if value < 1:
+        if value is not None and value < 1:  # None: an engine flag under --server (refused there)
             raise ValueError(f"{flag} must be an integer >= 1 ({what}), got {value}")
     for flag, value, what in (("--max-batch-tokens", args.max_batch_tokens, "a cap on requests x longest prompt"),
                               ("--limit", args.limit, "input records to read")):
@@ -643,6 +691,9 @@ def run_cli(args) -> int:
     from sglang_hspec.training.data import evaluation_prompt_texts
 
     # flags and files first: a bad one is answered before the target loads and before --out is created
+    for name, default in ENGINE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     check_regenerate_flags(args)
     exclude_texts = evaluation_prompt_texts(args.eval_texts)
     device = resolve_device(args.device)
@@ -650,7 +701,7 @@ def run_cli(args) -> int:
     torch.set_num_threads(args.threads)
     # dozens of requests per forward: the batched workload's dtype (target/dtypes.py)
     adapter = load_target(args.target, dtype=args.dtype, device=device, workload="batch")
-    record_run(args.out, settings={k: v for k, v in vars(args).items() if k != "func"},
+    record_run(args.out, settings={k: v for k, v in vars(args).items() if k not in ("func", *SERVER_ONLY_ARGS)},
                dtype=str(adapter.dtype).replace("torch.", ""), device=str(adapter.device))
     if args.drafter == "none":
         engine = ContinuousDecoder(adapter, slots=args.slots)
