@@ -171,3 +171,121 @@ def test_error_object_inside_a_stream() -> None:
         with pytest.raises(ServerHTTPError, match="error inside the stream: boom") as info:
             list(client.generate_stream("Hello world", max_new_tokens=8, ignore_eos=True))
     assert info.value.status_code == 400
+
+
+# -- a server process killed while answering ---------------------------------------------------------
+
+# The most a killed server may cost a call: the kernel closes the dead process's sockets at once, so the
+# client sees the connection end (or refused) and must not wait for its 60 s data timeout.
+KILLED_SERVER_BOUND_S = 5.0
+# Serves fake_sglang in its own process, held mid-answer for 60 s, and prints its URL once listening.
+_FAKE_SERVER_PROCESS = (
+    "import sys, time; sys.path.insert(0, sys.argv[1]);"
+    "from fake_sglang import Behaviour, FakeSGLangServer;"
+    "server = FakeSGLangServer(Behaviour(mode=sys.argv[2], stall_s=60.0));"
+    "print(server.url, flush=True); time.sleep(600)"
+)
+
+
+@pytest.fixture
+def killable_server():
+    """Factory: `killable_server(mode)` starts a fake SGLang server process that holds every answer (mode
+    "stall": before the first byte; "stall_mid_stream": after a stream's first event); returns
+    (url, kill), where kill() SIGKILLs the process and waits for it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    procs = []
+
+    def start(mode: str):
+        proc = subprocess.Popen([sys.executable, "-c", _FAKE_SERVER_PROCESS, str(Path(__file__).parent), mode],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+
+        def kill() -> None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+        return url, kill
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _raises_within(call, error: type[Exception], bound_s: float) -> Exception:
+    """Run `call` in a thread; it must raise `error` within `bound_s` (a hang fails the test, not the run)."""
+    import threading
+
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["returned"] = call()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects what was raised
+            outcome["raised"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert not thread.is_alive(), f"the call still hangs {bound_s:g} s after the server was killed"
+    assert "raised" in outcome, f"the call returned {outcome.get('returned')!r} instead of raising"
+    assert isinstance(outcome["raised"], error), repr(outcome["raised"])
+    return outcome["raised"]
+
+
+def test_server_killed_mid_stream_raises_unavailable_promptly(killable_server) -> None:
+    import threading
+    import time
+
+    url, kill = killable_server("stall_mid_stream")
+    with HSpecClient(url, timeout=60.0, retries=1) as client:
+        stream = client.generate_stream("Hello world", max_new_tokens=8, ignore_eos=True)
+        first = next(stream)
+        assert len(first.output_ids_delta) == 1  # the server is mid-stream: one event sent, the rest held
+        threading.Timer(0.2, kill).start()
+        t0 = time.monotonic()
+        err = _raises_within(lambda: list(stream), ServerUnavailableError, KILLED_SERVER_BOUND_S)
+        assert time.monotonic() - t0 < KILLED_SERVER_BOUND_S
+        assert "dropped the connection" in str(err) and url in str(err)
+        # the dead server afterwards: refused at once, after the retry's backoff
+        err = _raises_within(lambda: client.generate("x", max_new_tokens=2), ServerUnavailableError,
+                             KILLED_SERVER_BOUND_S)
+        assert "cannot connect" in str(err) and "after 1 retries" in str(err)
+        assert _raises_within(lambda: list(client.chat_stream(MSG)), ServerUnavailableError, KILLED_SERVER_BOUND_S)
+        assert client.health() is False
+
+
+def test_server_killed_before_answering_raises_unavailable_promptly(killable_server) -> None:
+    import threading
+
+    url, kill = killable_server("stall")
+    with HSpecClient(url, timeout=60.0, retries=0) as client:
+        threading.Timer(0.5, kill).start()  # the request is held server-side by then
+        err = _raises_within(lambda: client.generate("Hello world", max_new_tokens=4), ServerUnavailableError,
+                             KILLED_SERVER_BOUND_S)
+        assert "dropped the connection" in str(err)
+
+
+def test_server_killed_mid_stream_async(killable_server) -> None:
+    url, kill = killable_server("stall_mid_stream")
+
+    async def run() -> None:
+        async with AsyncHSpecClient(url, timeout=60.0, retries=0) as client:
+            stream = client.generate_stream("Hello world", max_new_tokens=8, ignore_eos=True)
+            first = await stream.__anext__()
+            assert len(first.output_ids_delta) == 1
+            asyncio.get_running_loop().call_later(0.2, kill)
+            with pytest.raises(ServerUnavailableError, match="dropped the connection"):
+                await asyncio.wait_for(stream.__anext__(), KILLED_SERVER_BOUND_S)
+            with pytest.raises(ServerUnavailableError, match="cannot connect"):
+                await asyncio.wait_for(client.generate("x", max_new_tokens=2), KILLED_SERVER_BOUND_S)
+
+    asyncio.run(run())
