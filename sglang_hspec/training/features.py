@@ -20,6 +20,9 @@ Disk cost per token: ((n_ids + 1) * d + 2 * n_kv * kv_heads * head_dim) values p
 log-partition (`bytes_per_token`); the SmolLM2 H-Spec recipe (5 hidden ids, 3 KV layers, d 576, 3 x 64 KV)
 stores 4608 values: 18.4 KB per token in fp32, 9.2 KB in bf16, i.e. at most 5.7 GB (fp32) for the 600
 sequences x <=512 tokens of its 300 steps. Shards are written atomically (temp file + os.replace): a killed run leaves whole shards only.
+
+Before the first shard, `FeatureCache.plan` prints that cost for the examples not cached yet (bytes per
+token x tokens = total, one line) and refuses when the free disk under the cache is smaller.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import shutil
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -73,6 +78,19 @@ def bytes_per_token(*, hidden_size: int, num_hidden_ids: int, num_kv_layers: int
                     head_dim: int, dtype: str, log_partition: bool = True) -> int:
     values = (num_hidden_ids + 1) * hidden_size + 2 * num_kv_layers * num_kv_heads * head_dim
     return values * torch.tensor([], dtype=_DTYPES[dtype]).element_size() + 4 * log_partition
+
+
+def target_bytes_per_token(config, *, num_hidden_ids: int, num_kv_layers: int, dtype: str,
+                           log_partition: bool = True) -> int:
+    """`bytes_per_token` of a Hugging Face target config (hidden size, KV heads, head dim)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return bytes_per_token(hidden_size=config.hidden_size, num_hidden_ids=num_hidden_ids, num_kv_layers=num_kv_layers,
+                           num_kv_heads=config.num_key_value_heads, head_dim=head_dim, dtype=dtype,
+                           log_partition=log_partition)
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # stdout carries the trainer's JSON result
 
 
 class FeatureCache:
@@ -129,6 +147,29 @@ class FeatureCache:
                           f"({free / 2**30:.1f} GiB free); free space, set data.feature_cache_dtype=bf16 (half "
                           "the size) or data.feature_cache to a larger disk, or unset it to run the target "
                           "every step") from None
+
+    def plan(self, examples: Sequence[dict], *, target_config, log_partition: bool = True,
+             report: Callable[[str], None] = _stderr_line) -> int:
+        """Report what caching `examples` will write, before any of it is: bytes per token x the tokens of the
+        examples not cached yet = total (an upper bound: a run that stops early caches only the examples it
+        drew). Raise OSError(ENOSPC) naming the fixes when the free disk under the cache is smaller. Returns
+        the total bytes."""
+        per_token = target_bytes_per_token(target_config, num_hidden_ids=len(self.manifest.hidden_layer_ids),
+                                           num_kv_layers=len(self.manifest.kv_layer_ids), dtype=self.manifest.dtype,
+                                           log_partition=log_partition)
+        todo = [e for e in examples if not self.has(example_key(list(e["input_ids"])))]
+        tokens = sum(len(e["input_ids"]) for e in todo)
+        total = per_token * tokens
+        free = shutil.disk_usage(self.root).free
+        report(f"target-feature cache {self.root}: {per_token:,} bytes per token x {tokens:,} tokens "
+               f"({len(todo):,} of {len(examples):,} examples not cached yet) = {_size(total)}; {_size(free)} free")
+        if total > free:
+            fixes = "free space, " + ("" if self.manifest.dtype == "bf16" else
+                                      "set data.feature_cache_dtype=bf16 (half the size), ")
+            raise OSError(errno.ENOSPC, f"data.feature_cache {self.root} would need {_size(total)} ({per_token:,} "
+                          f"bytes per token x {tokens:,} tokens) but only {_size(free)} is free there; {fixes}point "
+                          "data.feature_cache at a larger disk, or unset it to run the target every step")
+        return total
 
     def has(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -196,3 +237,7 @@ class FeatureCache:
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.shards.glob("*.safetensors"))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -134,3 +134,52 @@ def test_full_disk_while_caching_is_a_clear_error_and_leaves_no_partial_shard(tm
             OSError, match=r"no space left on device writing the target-feature cache .*feature_cache_dtype=bf16"):
         cache.put("k", hidden=torch.zeros(2, 1, 4), kv={}, final_hidden=torch.zeros(2, 4))
     assert not cache.has("k") and list((tmp_path / "shards").iterdir()) == []
+
+
+def test_plan_prints_bytes_per_token_times_tokens_and_refuses_a_disk_too_small(tmp_path, monkeypatch):
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from sglang_hspec.training import features
+
+    # SmolLM2-135M's geometry: (5 + 1) x 576 + 2 x 3 layers x 3 KV heads x 64 = 4608 values, fp32 + 4 bytes
+    smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    cache = FeatureCache(tmp_path, target_fingerprint="t", hidden_layer_ids=[1, 8, 15, 22, 28],
+                         kv_layer_ids=[15, 22, 28], dtype="fp32")
+    examples = [{"input_ids": list(range(n))} for n in (100, 250, 7)]
+    cache.put(example_key(list(range(7))), hidden=torch.zeros(7, 5, 4), kv={i: (torch.zeros(1, 7, 2), torch.zeros(1, 7, 2))
+              for i in (15, 22, 28)}, final_hidden=torch.zeros(7, 4))  # cached already: not counted
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda path: Usage(0, 0, 3 * 2**30))
+    lines = []
+    assert cache.plan(examples, target_config=smollm2, report=lines.append) == 18436 * 350 == 6452600
+    assert lines == [f"target-feature cache {tmp_path}: 18,436 bytes per token x 350 tokens (2 of 3 examples not "
+                     "cached yet) = 6.2 MiB; 3.00 GiB free"]
+    # the trainer's per-token cost without the log-partition, and with head_dim from hidden / heads
+    no_head_dim = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    assert features.target_bytes_per_token(no_head_dim, num_hidden_ids=5, num_kv_layers=3, dtype="bf16",
+                                           log_partition=False) == 4608 * 2
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda path: Usage(0, 0, 6452599))
+    with pytest.raises(OSError) as err:
+        cache.plan(examples, target_config=smollm2, report=lines.append)
+    assert str(err.value) == (f"[Errno 28] data.feature_cache {tmp_path} would need 6.2 MiB (18,436 bytes per token "
+                              "x 350 tokens) but only 6.2 MiB is free there; free space, set "
+                              "data.feature_cache_dtype=bf16 (half the size), point data.feature_cache at a larger "
+                              "disk, or unset it to run the target every step")
+    assert len(list((tmp_path / "shards").iterdir())) == 1  # nothing written by the plan
+
+
+def test_plan_of_the_8b_recipes_is_61_kb_per_token_in_bf16():
+    """Qwen3-8B and Llama-3.1-8B share the geometry the cache stores (hidden 4096, 8 KV heads of 128):
+    (5 + 1) x 4096 + 2 x 3 x 8 x 128 = 30,720 values a token, the numbers docs/serving.md quotes."""
+    import json
+
+    from sglang_hspec.training.features import target_bytes_per_token
+
+    for name in ("hspec-qwen3-8b.json", "hspec-llama-3.1-8b-instruct.json"):
+        cfg = json.loads((ROOT / "configs" / name).read_text())
+        target = type("Config", (), cfg["target"])
+        assert len(cfg["target_layer_ids"]) == 5 and len(set(cfg["kv_reuse_layer_ids"])) == 3, name
+        kw = dict(num_hidden_ids=5, num_kv_layers=3)
+        assert target_bytes_per_token(target, dtype="bf16", **kw) == 61_444, name
+        assert target_bytes_per_token(target, dtype="fp32", **kw) == 122_884, name
