@@ -11,6 +11,7 @@ from __future__ import annotations
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from . import server_args as _args
+from .sglang_names import draft_worker_rows_per_request
 
 
 class HSpecSpecAlgo(CustomSpecAlgo):
@@ -59,10 +60,9 @@ class HSpecSpecAlgo(CustomSpecAlgo):
         read_ragged_verify_mode()  # a typo'd SGLANG_RAGGED_VERIFY_MODE fails at startup, as for builtins
         _args.handle_server_args(server_args)
 
-    def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
-        # DSpark's rule, not inherited by CustomSpecAlgo: the draft block is the anchor plus block_size - 1
-        # masks (slot j predicts anchor + j + 1, sample_from_anchor), one row fewer than the verify window.
-        return num_draft_tokens - 1 if is_draft_worker else num_draft_tokens
+    def get_num_tokens_per_req_for_target_verify(self, rows_per_request: int, is_draft_worker: bool) -> int:
+        # DSpark's rule, not inherited by CustomSpecAlgo: the draft block is one row fewer than the verify window.
+        return draft_worker_rows_per_request(rows_per_request, is_draft_worker=is_draft_worker)
 
 
 def worker_factory(server_args):

@@ -40,7 +40,7 @@ import torch
 from sglang_hspec.scheduler import planner
 from sglang_hspec.scheduler.sps import SpsAdditiveCostTable, SpsCostTable, SpsCurve
 
-from .sglang_names import block_size_from_gamma, sglang_num_draft_tokens
+from .sglang_names import block_size_of
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +97,11 @@ def _announce(*, sps_table, cfg) -> None:
     logger.info("HSPEC: verify budget and per-request verify lengths from sglang_hspec.scheduler.planner "
                 "(budget_choice over the survivals SGLang relays with its lag, topk_lengths over this step's)")
     table_capacity = getattr(sps_table, "max_batch_tokens", None)  # floor tables only
-    num_draft_tokens = sglang_num_draft_tokens(block_size=block_size_from_gamma(cfg.gamma))
+    block_size = block_size_of(cfg)
     try:
         from sglang.srt.runtime_context import get_schedule
 
-        capacity = int(get_schedule().max_running_requests or 0) * num_draft_tokens
+        capacity = int(get_schedule().max_running_requests or 0) * (block_size + 1)
     except ValueError:  # no server arguments published (not a server process)
         capacity = 0
     if table_capacity is not None and table_capacity < capacity:
@@ -109,7 +109,7 @@ def _announce(*, sps_table, cfg) -> None:
             "HSPEC: the SPS table's max_batch_tokens=%d is below this server's verify capacity (%d = "
             "max running requests x %d verify tokens): the planner never plans past %d batch tokens "
             "(anchor only beyond). Profile the table for this configuration (hspec profile-sps --url).",
-            table_capacity, capacity, num_draft_tokens, table_capacity)
+            table_capacity, capacity, block_size + 1, table_capacity)
 
 
 def hspec_verify_token_budget(*, history_survival_probs: torch.Tensor, sps_table, cfg):

@@ -23,7 +23,7 @@ from sglang_hspec.model.checkpoint import check_against_target, read_checkpoint_
 from sglang_hspec.model.config import SLOT_CONVENTION, HSpecConfig
 from sglang_hspec.target.geometry import TargetGeometry
 
-from .sglang_names import sglang_num_draft_tokens
+from .sglang_names import given_num_draft_tokens, set_server_block_size, sglang_num_draft_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -202,13 +202,13 @@ def validate_server_args(server_args: Any) -> None:
 def handle_server_args(server_args: Any) -> None:
     """Resolve the speculative arguments as DSpark does (`_handle_dspark`), from the drafter checkpoint."""
     drafter = read_drafter_config(server_args.speculative_draft_model_path)
-    num_draft_tokens = sglang_num_draft_tokens(block_size=drafter.block_size)
-    explicit = getattr(server_args, "speculative_num_draft_tokens", None)
-    if explicit is not None and int(explicit) != num_draft_tokens:
+    verify_rows = sglang_num_draft_tokens(block_size=drafter.block_size)
+    explicit = given_num_draft_tokens(server_args)
+    if explicit is not None and explicit != verify_rows:
         raise ValueError(
             f"--speculative-num-draft-tokens {explicit} does not match the drafter: its block size is "
-            f"{drafter.block_size}, so each request verifies {num_draft_tokens} tokens (the anchor and the "
-            f"block); drop the flag or pass {num_draft_tokens}"
+            f"{drafter.block_size}, so each request verifies {verify_rows} tokens (the anchor and the "
+            f"block); drop the flag or pass {verify_rows}"
         )
     block = getattr(server_args, "speculative_dspark_block_size", None)
     if block is not None and int(block) != drafter.block_size:
@@ -221,7 +221,7 @@ def handle_server_args(server_args: Any) -> None:
         if value is not None and int(value) != 1:
             logger.warning("HSPEC drafts one block per step; overriding %s=%s to 1", name, value)
         setattr(server_args, name, 1)
-    server_args.speculative_num_draft_tokens = num_draft_tokens
+    set_server_block_size(server_args, block_size=drafter.block_size)
     if getattr(server_args, "max_running_requests", None) is None:
         server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
     if getattr(server_args, "enable_mixed_chunk", False):

@@ -48,6 +48,7 @@ from sglang.srt.speculative.dspark_components.dspark_planner import (
 from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout, RaggedVerifyMode
 
 from .readback import AsyncSums
+from .sglang_names import block_size_of
 from .speculation_policy import POLICIES
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class AnchorOnlyProposer:
     def _masks(self, bs: int, device) -> torch.Tensor:
         buf = self._mask_buf
         if buf is None or buf.shape[0] < bs or buf.device != torch.device(device):
-            buf = torch.full((bs, self._proposer.gamma), int(self._proposer._mask_token_id), dtype=torch.long,
+            buf = torch.full((bs, block_size_of(self._proposer)), int(self._proposer._mask_token_id), dtype=torch.long,
                              device=device)
             self._mask_buf = buf
         return buf[:bs]

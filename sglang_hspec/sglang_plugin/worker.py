@@ -40,7 +40,7 @@ from sglang_hspec.model import hspec as _hspec_model
 from .context import ContextState, drafter_kv_bytes_saved, prefill_last_rows, verify_commit_rows
 from .lookup_splice import LOOKUP_ENV, lookup_enabled, splice_lookup_into_argmax_blocks
 from .plain_step import anchor_window, draw_anchor_bonus, plain_step_forward
-from .sglang_names import block_size_from_gamma
+from .sglang_names import block_size_of, sglang_verify_lens
 from .speculation_policy import speculation_guard, speculation_policy
 from .speculation_switch import (
     AnchorOnlyPlanner,
@@ -203,7 +203,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
         self._switch: SpeculationSwitch | None = None
         greedy_drafts_for_greedy_batches(self._proposer)
         if lookup_enabled():  # prompt lookup spliced into argmax-drafted blocks (lookup_splice.py)
-            splice_lookup_into_argmax_blocks(self._proposer, block_size=block_size_from_gamma(self._proposer.gamma))
+            splice_lookup_into_argmax_blocks(self._proposer, block_size=block_size_of(self._proposer))
             logger.info("HSPEC: prompt lookup spliced into argmax-drafted blocks (%s=1)", LOOKUP_ENV)
         self._anchor_only_proposer = AnchorOnlyProposer(self._proposer)
         self._anchor_only_planner = AnchorOnlyPlanner(self._verify_planner, model_runner=self.model_runner)
@@ -269,9 +269,9 @@ class HSpecWorkerV2(DSparkWorkerV2):
         policy = self._speculation_policy
         if policy == "always":
             return None
-        costs, greedy_costs = (step_costs(verify_num_draft_tokens=self.verify_num_draft_tokens) if policy == "auto"
-                               else (None, None))
-        switch = SpeculationSwitch(policy=policy, costs=costs, greedy_costs=greedy_costs, block_size=block_size_from_gamma(self.gamma),
+        block_size = block_size_of(self)
+        costs, greedy_costs = step_costs(block_size=block_size) if policy == "auto" else (None, None)
+        switch = SpeculationSwitch(policy=policy, costs=costs, greedy_costs=greedy_costs, block_size=block_size,
                                    req_pool_size=req_pool_size,
                                    min_survival=self._verify_planner._schedule_cfg.survival_eps,
                                    guard=speculation_guard())
@@ -457,7 +457,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
                                num_tokens=layout.graph_num_tokens)
         epilogue = self._verify_executor.verify_epilogue
         if epilogue is not None:
-            epilogue.begin_step(layout.verify_lens, armed=False)  # its in-graph accept commits nothing
+            epilogue.begin_step(sglang_verify_lens(layout), armed=False)  # its in-graph accept commits nothing
         return self._verify_executor._run_ragged(batch=batch, layout=layout, ragged_window=window,
                                                  sampling_info=batch.sampling_info, kv_loc_plan=plan)
 
@@ -522,14 +522,14 @@ class HSpecWorkerV2(DSparkWorkerV2):
                                                 pp_proxy_tensors=pp_proxy_tensors)
 
 
-def step_costs(*, verify_num_draft_tokens: int):
+def step_costs(*, block_size: int):
     """`StepCosts` of this server for `HSPEC_SPECULATION=auto`, sampled and greedy: the SPS table SGLang's
     planner was given, read with our loader (it keeps the plain-decode probes SGLang's struct drops), and its
     greedy twin (`sps_profile.greedy_table_path`: the same steps at temperature 0, argmax drafts) where one
     lies beside it, else None (all-greedy steps are costed as sampled ones, which overprices them). A table
-    without a drafter column is SGLang's profile of whole drafting steps at `verify_num_draft_tokens` per
+    without a drafter column is SGLang's profile of whole drafting steps at block_size + 1 verify tokens per
     request, so a drafting step over N requests costs at least its step of N requests
-    (`StepCosts(full_block=)`)."""
+    (`StepCosts(block_size=)`)."""
     from sglang.srt.runtime_context import get_spec
 
     from sglang_hspec.scheduler.sps import load_sps_table
@@ -549,7 +549,7 @@ def step_costs(*, verify_num_draft_tokens: int):
                                "has none (profiled before they existed, or by SGLang's profiler alone): re-profile it "
                                "(delete the cached table and restart with HSPEC_AUTO_PROFILE_SPS=1, or `hspec "
                                "profile-sps --url`)")
-        return StepCosts(table, full_block=None if table.draft_seconds else verify_num_draft_tokens)
+        return StepCosts(table, block_size=None if table.draft_seconds else block_size)
 
     costs = costs_of(path)
     twin = greedy_table_path(path)
