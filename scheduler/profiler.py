@@ -22,6 +22,7 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import math
 import statistics
 import sys
 import time
@@ -138,11 +139,49 @@ def load_factory(spec: str) -> Callable:
     return getattr(module, attr)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+def int_at_least(low: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low`; `what` (what the flag counts) goes into the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low} ({what}), got {text!r}")
+        return value
+    return parse
+
+
+def finite_at_least(low: float, what: str, *, above: bool = False,
+                    at_most: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite number >= `low` (> `low` with `above`), and <= `at_most` if given. nan and
+    inf are refused: a probe waiting for inf seconds, or compared against nan, never ends."""
+    bound = f"> {low:g}" if above else f">= {low:g}"
+    bound += "" if at_most is None else f" and <= {at_most:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if (not math.isfinite(value) or value < low or (above and value == low)
+                or (at_most is not None and value > at_most)):
+            raise argparse.ArgumentTypeError(f"expected a finite number {bound} ({what}), got {text!r}")
+        return value
+    return parse
+
+
+def probe_sizes_list(what: str) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated probe sizes, each >= 1, at least one."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what} >= 1, e.g. 1,2,4,8, got {text!r}")
+        return values
+    return parse
 
 
 def _factory_arg(text: str) -> tuple[str, object]:
@@ -163,18 +202,20 @@ def add_parser(subparsers, *, step_fn_factory: Callable | None = None) -> argpar
     p.add_argument("--step-fn", default=None,
                    help="MODULE:FACTORY or file.py:FACTORY returning step_fn(batch_tokens)"
                         + ("" if step_fn_factory is None else " (default: the reference engine's target)"))
-    p.add_argument("--batch-tokens", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+    p.add_argument("--batch-tokens", type=probe_sizes_list("batch tokens"), default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
                    help="comma-separated probe sizes (default 1,2,4,...,512: batch-1 serving verifies 1..8)")
-    p.add_argument("--plain-batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64],
+    p.add_argument("--plain-batch-sizes", type=probe_sizes_list("request counts"), default=[1, 2, 4, 8, 16, 32, 64],
                    help="requests at which plain decode steps and the drafter are timed, when the step "
                         "function provides plain_fn / draft_fn (default 1,2,...,64)")
-    p.add_argument("--tokens-per-request", type=int, default=8, help="1 + block_size verify tokens per request")
+    p.add_argument("--tokens-per-request", type=int_at_least(1, "verify tokens per request: 1 + block_size"),
+                   default=8, help="1 + block_size verify tokens per request")
     p.add_argument("--factory-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra keyword for the step-fn factory (repeatable), e.g. target=/models/Qwen3-8B")
-    p.add_argument("--max-batch-tokens", type=int, default=None, help="engine verify capacity")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--steps-per-repeat", type=int, default=4)
+    p.add_argument("--max-batch-tokens", type=int_at_least(1, "the engine's verify capacity in tokens"), default=None,
+                   help="engine verify capacity")
+    p.add_argument("--warmup", type=int_at_least(0, "untimed steps per probe"), default=3)
+    p.add_argument("--repeats", type=int_at_least(1, "timed runs per probe"), default=5)
+    p.add_argument("--steps-per-repeat", type=int_at_least(1, "steps per timed run"), default=4)
     p.add_argument("--out", required=True, help="SPS table JSON path (a PNG is written next to it)")
     p.set_defaults(func=run_profile_sps, step_fn_factory=step_fn_factory)
     return p

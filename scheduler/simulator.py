@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .policy import ExactPolicy, FixedPolicy, StalePolicy, ThresholdPolicy
+from .profiler import finite_at_least, int_at_least, probe_sizes_list
 from .sps import SpsCostTable, SpsCurve, SpsTable, load_sps_table, synthetic_sps_table
 
 DOMAINS = {
@@ -216,27 +217,39 @@ def plot_frontier(results: list[SimResult], path: str | Path, *, title: str) -> 
     plt.close(fig)
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("simulate", help="serving simulator: verify-length policies across load")
     p.add_argument("--sps-table", default=None, help="SPS table JSON (default: synthetic jagged GPU-like curve)")
     p.add_argument("--policies", default="fixed,threshold,exact,stale")
-    p.add_argument("--concurrency", type=_int_list, default=[2**i for i in range(9)],
+    p.add_argument("--concurrency", type=probe_sizes_list("concurrencies"), default=[2**i for i in range(9)],
                    help="closed-loop concurrencies (default 1,2,4,...,256)")
-    p.add_argument("--arrival-rate", type=float, default=None, help="Poisson requests/s (one open-loop run)")
-    p.add_argument("--block-size", type=int, default=7, help="draft tokens proposed per request per step")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--threshold", type=float, default=0.3, help="survival threshold of the threshold policy")
+    p.add_argument("--arrival-rate", type=finite_at_least(0, "Poisson requests/s", above=True), default=None,
+                   help="Poisson requests/s (one open-loop run)")
+    p.add_argument("--block-size", type=int_at_least(1, "draft tokens per request per step"), default=7,
+                   help="draft tokens proposed per request per step")
+    p.add_argument("--steps", type=int_at_least(1, "simulated steps per run"), default=300)
+    p.add_argument("--threshold", type=finite_at_least(0, "a survival probability", at_most=1), default=0.3,
+                   help="survival threshold of the threshold policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", required=True, help="writes simulate.md, simulate.json, simulate.png")
     p.set_defaults(func=run_simulate)
     return p
 
 
+def _out_dir_problem(path: Path) -> str | None:
+    """Why --out-dir can never be created, without creating anything (it is written after every run)."""
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    return None if probe.is_dir() else f"{probe} is a file, not a directory"
+
+
 def run_simulate(args: argparse.Namespace) -> int:
+    if args.sps_table and Path(args.sps_table).is_dir():
+        raise ValueError(f"--sps-table {args.sps_table} is a directory; pass the SPS table JSON file itself")
+    problem = _out_dir_problem(Path(args.out_dir))
+    if problem:
+        raise ValueError(f"--out-dir {args.out_dir} cannot be created: {problem}; pick another --out-dir")
     table = load_sps_table(args.sps_table) if args.sps_table else synthetic_sps_table()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:

@@ -177,6 +177,9 @@ def sps_table_from_json(text: str, *, source: str = "<string>") -> SpsTable:
 
 def load_sps_table(path: str | Path) -> SpsTable:
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"SPS table {path} is a directory; pass the table's JSON file (`hspec profile-sps "
+                                f"--out {path / 'sps.json'}` writes one)")
     if not path.is_file():
         raise FileNotFoundError(f"SPS table {path} does not exist; create it with `hspec profile-sps --out {path}`")
     return sps_table_from_json(path.read_text(), source=str(path))

@@ -203,6 +203,10 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
     sps_env = {"SGLANG_RAGGED_VERIFY_MODE": "compact", "HSPEC_CACHE_DIR": str(w("cache"))}
     auto_env = {**sps_env, "HSPEC_AUTO_PROFILE_SPS": "1"}
     fit = ["calibrate", "fit", "--data", str(w("notarecord.pt")), "--block-size", "7"]
+    # profile-sps: --url reaches no server, so a flag that passed its check would fail on the connection instead
+    sps_url = ["profile-sps", "--url", "http://127.0.0.1:9", "--out", str(w("sps_out.json"))]
+    sps_engine = ["profile-sps", "--out", str(w("sps_out.json"))]
+    simulate = ["simulate", "--out-dir", str(w("sim")), "--steps", "5"]
 
     return [
         # prompts and targets
@@ -289,6 +293,33 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
                                                           "--seed", "-1"]),
         Row("SPS / STS", "`calibrate report --sts notjson.json`", ["calibrate", "report", "--data",
                                                                     str(w("notarecord.pt")), "--sts", str(w("notjson.json"))]),
+        # SPS profiling and the serving simulator
+        Row("profile-sps", "`profile-sps --min-steady-steps 0`", [*sps_url, "--min-steady-steps", "0"]),
+        Row("profile-sps", "`profile-sps --min-steady-seconds nan`", [*sps_url, "--min-steady-seconds", "nan"]),
+        Row("profile-sps", "`profile-sps --min-steady-seconds inf`", [*sps_url, "--min-steady-seconds", "inf"]),
+        Row("profile-sps", "`profile-sps --min-steady-seconds -1`", [*sps_url, "--min-steady-seconds", "-1"]),
+        Row("profile-sps", "`profile-sps --round-timeout 0`", [*sps_url, "--round-timeout", "0"]),
+        Row("profile-sps", "`profile-sps --round-timeout inf`", [*sps_url, "--round-timeout", "inf"]),
+        Row("profile-sps", "`profile-sps --temperature nan`", [*sps_url, "--temperature", "nan"]),
+        Row("profile-sps", "`profile-sps --input-len 0`", [*sps_url, "--input-len", "0"]),
+        Row("profile-sps", "`profile-sps --batch-size 0`", [*sps_url, "--batch-size", "0"]),
+        Row("profile-sps", "`profile-sps --out` a directory", ["profile-sps", "--url", "http://127.0.0.1:9", "--out",
+                                                                str(w("emptydir"))]),
+        Row("profile-sps", "`profile-sps --tokens-per-request 0`", [*sps_engine, "--tokens-per-request", "0"]),
+        Row("profile-sps", "`profile-sps --max-batch-tokens -1`", [*sps_engine, "--max-batch-tokens", "-1"]),
+        Row("profile-sps", "`profile-sps --warmup -1`", [*sps_engine, "--warmup", "-1"]),
+        Row("profile-sps", "`profile-sps --repeats 0`", [*sps_engine, "--repeats", "0"]),
+        Row("profile-sps", "`profile-sps --steps-per-repeat 0`", [*sps_engine, "--steps-per-repeat", "0"]),
+        Row("profile-sps", "`profile-sps --batch-tokens ,` (no sizes)", [*sps_engine, "--batch-tokens", ","]),
+        Row("profile-sps", "`profile-sps --plain-batch-sizes 0`", [*sps_engine, "--plain-batch-sizes", "0"]),
+        Row("simulate", "`simulate --arrival-rate nan`", [*simulate, "--arrival-rate", "nan"]),
+        Row("simulate", "`simulate --arrival-rate inf`", [*simulate, "--arrival-rate", "inf"]),
+        Row("simulate", "`simulate --block-size -1`", [*simulate, "--block-size", "-1"]),
+        Row("simulate", "`simulate --steps 0`", [*simulate, "--steps", "0"]),
+        Row("simulate", "`simulate --threshold nan`", [*simulate, "--threshold", "nan"]),
+        Row("simulate", "`simulate --concurrency 0`", [*simulate, "--concurrency", "0"]),
+        Row("simulate", "`simulate --sps-table` a directory", [*simulate, "--sps-table", str(w("emptydir"))]),
+        Row("simulate", "`simulate --out-dir` under a file", ["simulate", "--out-dir", str(blocker / "sim")]),
         # drafter checkpoints (damaged copies of the shipped drafter, on the embedded target)
         Row("checkpoint", "config.json truncated", [*emb, "--drafter", trunc_cfg]),
         Row("checkpoint", "config.json binary garbage", [*emb, "--drafter", binary_cfg]),
@@ -407,6 +438,20 @@ def rows(scratch: Path, tiny_target_dir: str) -> list[Row]:
         Row("environment", "`HSPEC_AUTO_PROFILE_SPS_STEADY_STEPS=0`", call=sps_table_row,
             env={**auto_env, "HSPEC_AUTO_PROFILE_SPS_STEADY_STEPS": "0"}),
         Row("environment", "`HSPEC_LOOKUP=yes1`", call=lookup_row, env={"HSPEC_LOOKUP": "yes1"}),
+        Row("environment", "`HSPEC_SPECULATION=sometimes` (server-argument validation)", call=validate_row,
+            env={"HSPEC_SPECULATION": "sometimes"}),
+        Row("environment", "`HSPEC_SPECULATION_GUARD=yes` (read by the worker; checked at validation)",
+            call=validate_row, env={"HSPEC_SPECULATION_GUARD": "yes"}),
+        Row("environment", "`HSPEC_PLAIN_STEP_FORWARD=decode` (read by the worker; checked at validation)",
+            call=validate_row, env={"HSPEC_PLAIN_STEP_FORWARD": "decode"}),
+        Row("environment", "`HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES=0,1` (server-argument validation)", call=validate_row,
+            env={"HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES": "0,1"}),
+        Row("environment", "`HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS=nan` (server-argument validation)",
+            call=validate_row, env={"HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS": "nan"}),
+        Row("environment", "`HSPEC_STEP_PROFILE` a directory (server-argument validation)", call=validate_row,
+            env={"HSPEC_STEP_PROFILE": str(w("emptydir"))}),
+        Row("server arguments", "`--speculative-dspark-sps-table-path` a directory",
+            call=functools.partial(sps_table_row, table=str(w("emptydir"))), env=sps_env),
         Row("environment", "`HSPEC_STEP_PROFILE` under a file (checked at startup, not on every step)",
             call=step_profile_row, env={"HSPEC_STEP_PROFILE": str(blocker / "steps.json")}),
         # artifacts on a full disk (library calls: the disk is made to fail in-process)
@@ -422,15 +467,25 @@ def cache_dir_row() -> None:
     default_cache_dir()
 
 
-def sps_table_row() -> None:
+def sps_table_row(table: str | None = None) -> None:
     """What the launcher runs (server_args.py handle_server_args) to pick an HSPEC server's SPS table."""
     from types import SimpleNamespace
 
     from sglang_hspec.sglang_plugin.sps_cache import resolve_sps_table
 
     args = SimpleNamespace(model_path="target", speculative_draft_model_path="drafter", tp_size=1, dtype="auto",
-                           device="cpu", base_gpu_id=0, speculative_dspark_sps_table_path=None)
+                           device="cpu", base_gpu_id=0, speculative_dspark_sps_table_path=table)
     resolve_sps_table(args, block_size=7)
+
+
+def validate_row() -> None:
+    """SGLang's server-argument validation of an HSPEC launch (server_args.py validate_server_args), the shipped
+    drafter on the embedded target's name: the environment is checked before either is read."""
+    from types import SimpleNamespace
+
+    from sglang_hspec.sglang_plugin.server_args import validate_server_args
+
+    validate_server_args(SimpleNamespace(model_path="embedded", speculative_draft_model_path=str(SHIPPED)))
 
 
 def lookup_row() -> None:
@@ -474,7 +529,7 @@ def full_disk_save_drafter(scratch: Path) -> None:
     target = tiny_target("llama", num_layers=5, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16)
     cfg = HSpecConfig(target=TargetGeometry.from_hf_config(target.config), target_layer_ids=(0, 1, 2, 3, 4),
                       mask_token_id=3, intermediate_size=32, mamba_num_heads=2, mamba_head_dim=8, mamba_groups=1,
-                      draft_vocab_size=64)
+                      draft_vocab_size=64, markov_rank=16)  # a rank the 64-token draft vocabulary holds
     drafter = build_drafter("hspec", cfg, target.model.embed_tokens, target.lm_head)
     out = scratch / "run" / "drafter"
     save_drafter(drafter, out)

@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "profile-sps":
+            check_output_file(args.out, flag="--out")  # written only after minutes of probes
         return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:  # OSError: a missing or unreadable file, a full disk
         print(f"error: {exc}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """The one parser of the plugin's on/off environment variables (`HSPEC_LOOKUP`, `HSPEC_AUTO_PROFILE_SPS`,
 `HSPEC_SPS_PROFILING_SERVER`, `HSPEC_SPECULATION_GUARD`): `1` or `0`, unset or blank for the default; any other
 value (a typo such as `yes1`, or `true`) stops the launch naming the variable, both values and what each does,
-instead of reading as off. Pure Python: no SGLang import."""
+instead of reading as off. Also `HSPEC_PLAIN_STEP_FORWARD`'s, which the worker reads, so that the launcher
+checks it too (server_args.check_environment). Pure Python: no SGLang import."""
 
 from __future__ import annotations
 
@@ -21,4 +22,17 @@ def env_switch(name: str, environ: Mapping[str, str] | None = None, *, on: str, 
     return raw == "1"
 
 
-__all__ = ["env_switch"]
+FORWARD_ENV = "HSPEC_PLAIN_STEP_FORWARD"
+FORWARDS = ("auto", "verify")
+
+
+def plain_step_forward(environ: Mapping[str, str] | None = None) -> str:
+    """The forward of steps without drafting from HSPEC_PLAIN_STEP_FORWARD (unset: auto)."""
+    raw = (os.environ if environ is None else environ).get(FORWARD_ENV, "").strip().lower() or "auto"
+    if raw not in FORWARDS:
+        raise ValueError(f"{FORWARD_ENV}={raw!r} is not a forward of steps without drafting; use one of "
+                         f"{', '.join(FORWARDS)} (auto: DECODE on CPU without CUDA graphs, else TARGET_VERIFY)")
+    return raw
+
+
+__all__ = ["FORWARDS", "FORWARD_ENV", "env_switch", "plain_step_forward"]

@@ -26,24 +26,12 @@ Imports SGLang: imported only from the worker inside the scheduler process.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from sglang.kernels.ops.speculative.dspark.dspark_accept import SoftmaxTemp, _row_argmax
 from sglang.kernels.ops.speculative.dspark.dspark_verify_window import RaggedVerifyWindow
 from sglang.srt.speculative.dflash_utils import build_speculative_verify_target_probs
 
-FORWARD_ENV = "HSPEC_PLAIN_STEP_FORWARD"
-FORWARDS = ("auto", "verify")
-
-
-def plain_step_forward() -> str:
-    """The forward of steps without drafting from HSPEC_PLAIN_STEP_FORWARD (unset: auto)."""
-    raw = os.environ.get(FORWARD_ENV, "").strip().lower() or "auto"
-    if raw not in FORWARDS:
-        raise ValueError(f"{FORWARD_ENV}={raw!r} is not a forward of steps without drafting; use one of "
-                         f"{', '.join(FORWARDS)} (auto: DECODE on CPU without CUDA graphs, else TARGET_VERIFY)")
-    return raw
+from .env import FORWARD_ENV, FORWARDS, plain_step_forward  # parsed without SGLang, for the launcher's check
 
 
 def anchor_window(*, anchor: torch.Tensor, prefix_lens: torch.Tensor, write_loc: torch.Tensor,

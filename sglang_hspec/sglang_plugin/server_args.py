@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +133,30 @@ def target_geometry(raw: dict[str, Any]) -> TargetGeometry:
     return TargetGeometry.from_hf_config(hf)
 
 
+def check_environment(environ: dict[str, str] | None = None) -> None:
+    """Parse every HSPEC_* variable the launcher or the scheduler process reads. A bad value stops the launch
+    here, naming the variable and the fix, instead of after the model loads in the worker (which alone reads
+    HSPEC_SPECULATION_GUARD and HSPEC_PLAIN_STEP_FORWARD), or never (one the chosen policy ignores)."""
+    from .env import plain_step_forward
+    from .lookup_splice import lookup_enabled
+    from .speculation_policy import speculation_guard, speculation_policy
+    from .sps_cache import auto_profile_enabled, auto_profile_settings, is_profiling_server
+    from .step_timer import step_profile_path
+
+    env = os.environ if environ is None else environ
+    speculation_policy(env)
+    speculation_guard(env)
+    plain_step_forward(env)
+    lookup_enabled(env)
+    auto_profile_enabled(env)
+    auto_profile_settings(env)
+    is_profiling_server(env)
+    step_profile_path(env)  # HSPEC_STEP_PROFILE: writable, or the launch stops with the cause
+
+
 def validate_server_args(server_args: Any) -> None:
     """Reject what HSPEC cannot serve, in the launcher, before any process starts."""
+    check_environment()
     if getattr(server_args, "speculative_draft_model_path", None) is None:
         raise ValueError(
             "--speculative-algorithm HSPEC requires --speculative-draft-model-path <H-Spec drafter checkpoint>"
@@ -156,9 +179,6 @@ def validate_server_args(server_args: Any) -> None:
 
     if lookup_enabled():
         check_lookup_server_args(server_args)
-    from .step_timer import step_profile_path
-
-    step_profile_path()  # HSPEC_STEP_PROFILE: writable, or the launch stops with the cause
     kv_dtype = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
     if kv_dtype not in READABLE_KV_CACHE_DTYPES:
         raise ValueError(f"HSPEC does not support --kv-cache-dtype {kv_dtype}: the drafter reads the target's KV "

@@ -293,19 +293,12 @@ def profile_with_server(*, out: str | os.PathLike, settings: dict[str, Any] | No
 
 # ------------------------------------------------------------------ CLI: hspec profile-sps --url
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated request counts >= 1, got {text!r}")
-    return values
-
-
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `--url` (and its options) to `hspec profile-sps`: with --url it profiles that SGLang server,
-    without it the reference engine as before."""
+    without it the reference engine as before. Each number is range-checked as it is parsed, before the
+    server is reached (a nan or inf wait would never end a probe)."""
+    from sglang_hspec.scheduler.profiler import finite_at_least, int_at_least, probe_sizes_list
+
     engine_defaults = {name: parser.get_default(name) for name in ("batch_tokens", "repeats")}
     engine_run = parser.get_default("func")
     g = parser.add_argument_group(
@@ -313,14 +306,19 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "launched with SGLANG_RAGGED_VERIFY_MODE=static SGLANG_DSPARK_ENABLE_SPS_RECORD=1 "
         "SGLANG_SIMULATE_ACC_LEN=1.0; measured by SGLang's own profiler")
     g.add_argument("--url", default=None, help="base URL of the server, e.g. http://127.0.0.1:30000")
-    g.add_argument("--batch-size", type=_int_list, default=None,
+    g.add_argument("--batch-size", type=probe_sizes_list("request counts"), default=None,
                    help="running-request counts to probe, e.g. 1,2,4,8 (batch tokens = count x verify tokens; "
                         "default 1,2,4,... up to the server's capacity)")
-    g.add_argument("--input-len", type=int, default=16, help="prompt tokens per request (default 16)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the load (default 1)")
-    g.add_argument("--min-steady-steps", type=int, default=32, help="steady steps per probe (default 32)")
-    g.add_argument("--min-steady-seconds", type=float, default=10.0, help="steady seconds per probe (default 10)")
-    g.add_argument("--round-timeout", type=float, default=300.0, help="seconds per probe before giving up")
+    g.add_argument("--input-len", type=int_at_least(1, "prompt tokens per request"), default=16,
+                   help="prompt tokens per request (default 16)")
+    g.add_argument("--temperature", type=finite_at_least(0, "the load's sampling temperature; 0 = greedy"),
+                   default=1.0, help="sampling temperature of the load (default 1)")
+    g.add_argument("--min-steady-steps", type=int_at_least(1, "steady decode steps each probe measures"), default=32,
+                   help="steady steps per probe (default 32)")
+    g.add_argument("--min-steady-seconds", type=finite_at_least(0, "steady seconds each probe measures; 0: steps only"),
+                   default=10.0, help="steady seconds per probe (default 10)")
+    g.add_argument("--round-timeout", type=finite_at_least(0, "seconds per probe before giving up", above=True),
+                   default=300.0, help="seconds per probe before giving up")
     g.add_argument("--tokenizer-path", default=None, help="tokenizer, if the server's path is not readable here")
     g.add_argument("--plain-url", default=None,
                    help="base URL of the same server configuration launched with HSPEC_SPECULATION=never: its "

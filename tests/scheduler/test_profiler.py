@@ -49,3 +49,31 @@ def test_cli_on_tiny_target_writes_table_and_png(tmp_path):
     assert table.plain_batch_sizes == [1, 2, 4, 8, 16, 32, 64] and all(s > 0 for s in table.plain_steps_per_sec)
     assert table.sample_batch_tokens == [8, 32] and all(s > 0 for s in table.sample_steps_per_sec)
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--warmup", "-1"), ("--repeats", "0"), ("--steps-per-repeat", "0"), ("--tokens-per-request", "0"),
+    ("--max-batch-tokens", "-1"), ("--batch-tokens", ","), ("--batch-tokens", "0,1"), ("--plain-batch-sizes", "0"),
+    ("--repeats", "abc"),
+])
+def test_cli_numbers_out_of_range_fail_as_they_are_parsed(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--step-fn", "unused:factory", "--out", str(tmp_path / "sps.json"), flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: expected" in capsys.readouterr().err
+    assert not (tmp_path / "sps.json").exists()
+
+
+def test_range_types_refuse_nan_and_inf():
+    import argparse
+
+    from sglang_hspec.scheduler.profiler import finite_at_least, int_at_least
+
+    seconds = finite_at_least(0, "seconds")
+    timeout = finite_at_least(0, "seconds", above=True)
+    probability = finite_at_least(0, "a probability", at_most=1)
+    assert seconds("0") == 0.0 and timeout("0.5") == 0.5 and probability("1") == 1.0 and int_at_least(0, "n")("0") == 0
+    for parse, text in ((seconds, "nan"), (seconds, "inf"), (seconds, "-1"), (timeout, "0"), (probability, "1.5"),
+                        (probability, "nan"), (int_at_least(1, "n"), "0"), (int_at_least(1, "n"), "1.5")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)

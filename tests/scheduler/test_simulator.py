@@ -66,3 +66,20 @@ def test_cli_writes_table_json_png(tmp_path):
     assert "| stale | 4 |" in (tmp_path / "simulate.md").read_text()
     assert len(json.loads((tmp_path / "simulate.json").read_text())) == 4
     assert (tmp_path / "simulate.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("flag, value", [("--arrival-rate", "nan"), ("--arrival-rate", "inf"), ("--block-size", "-1"),
+                                         ("--steps", "0"), ("--threshold", "nan"), ("--concurrency", "0")])
+def test_cli_numbers_out_of_range_name_the_flag(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out-dir", str(tmp_path / "sim"), flag, value])
+    assert exit_.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
+    assert not (tmp_path / "sim").exists()
+
+
+def test_cli_paths_are_checked_before_any_run(tmp_path):
+    (tmp_path / "afile").write_text("in the way\n")
+    with pytest.raises(ValueError, match="--sps-table .* is a directory"):
+        main(["--out-dir", str(tmp_path / "sim"), "--sps-table", str(tmp_path)])
+    with pytest.raises(ValueError, match="--out-dir .* cannot be created: .*afile is a file"):
+        main(["--out-dir", str(tmp_path / "afile" / "sim")])

@@ -90,3 +90,10 @@ def test_synthetic_curve_has_plateaus_and_cliffs():
     json.loads(msgspec.json.encode(t))  # plain JSON
     assert t.lookup(17) == t.lookup(32) and t.lookup(33) != t.lookup(32)
     assert t.lookup(t.max_batch_tokens) < t.lookup(1) / 2
+
+
+def test_a_directory_is_not_a_table(tmp_path):
+    from sglang_hspec.scheduler.sps import load_sps_table
+
+    with pytest.raises(IsADirectoryError, match="is a directory; pass the table's JSON file"):
+        load_sps_table(tmp_path)

@@ -152,3 +152,31 @@ def test_step_profile_naming_a_directory_is_refused(tmp_path):
     assert str(err.value) == (f"HSPEC_STEP_PROFILE={str(tmp_path)!r} is a directory; set it to a writable .json "
                               f"file path, or unset it (e.g. {tmp_path / 'steps.json'})")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- every variable at server-argument validation ----
+@pytest.mark.parametrize("env, match", [
+    ({"HSPEC_SPECULATION": "sometimes"}, "HSPEC_SPECULATION='sometimes' is not a speculation policy"),
+    ({"HSPEC_SPECULATION_GUARD": "yes"}, "HSPEC_SPECULATION_GUARD='yes': use 1"),
+    ({"HSPEC_PLAIN_STEP_FORWARD": "decode"}, "HSPEC_PLAIN_STEP_FORWARD='decode' is not a forward"),
+    ({"HSPEC_LOOKUP": "2"}, "HSPEC_LOOKUP='2': use 1"),
+    ({"HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES": "0,1"}, "HSPEC_AUTO_PROFILE_SPS_BATCH_SIZES='0,1'"),
+    ({"HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS": "nan"}, "HSPEC_AUTO_PROFILE_SPS_STEADY_SECONDS='nan'"),
+], ids=["policy", "guard", "plain-forward", "lookup", "batch-sizes", "steady-seconds"])
+def test_server_argument_validation_checks_every_variable_first(tmp_path, monkeypatch, env, match):
+    """Variables only the worker reads (the guard, the plain-step forward), or that the chosen policy ignores,
+    stop the launch at validation, before any checkpoint is read (the paths here hold none)."""
+    from sglang_hspec.sglang_plugin import server_args
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        server_args.validate_server_args(SimpleNamespace(model_path=str(tmp_path / "none"),
+                                                         speculative_draft_model_path=str(tmp_path / "none")))
+
+
+def test_the_environment_check_accepts_the_defaults():
+    from sglang_hspec.sglang_plugin.server_args import check_environment
+
+    check_environment({})
+    check_environment({"HSPEC_SPECULATION": "auto", "HSPEC_SPECULATION_GUARD": "0", "HSPEC_PLAIN_STEP_FORWARD": "verify"})
