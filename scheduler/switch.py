@@ -77,14 +77,8 @@ class StepCosts:
       blocks: the table holds nothing cheaper for a drafting step over N requests. Conservative in
       compact mode, where a step verifies fewer tokens than a full block."""
 
-    def __init__(self, table: SpsTable, *, draft_seconds: float | None = None, block_size: int | None = None,
-                 full_block: int | None = None) -> None:
-        # `full_block` (verify rows per request, block_size + 1): the keyword sglang_plugin/worker.py still
-        # passes; it goes once that call passes block_size
-        if full_block is not None:
-            if block_size is not None or full_block < 1:
-                raise ValueError(f"pass block_size alone (full_block={full_block} is block_size + 1, >= 1)")
-            block_size = full_block - 1
+    def __init__(self, table: SpsTable, *, draft_seconds: float | None = None,
+                 block_size: int | None = None) -> None:
         if draft_seconds is not None and not (draft_seconds >= 0 and np.isfinite(draft_seconds)):
             raise ValueError(f"draft_seconds must be finite and >= 0, got {draft_seconds}")
         if block_size is not None and block_size < 0:

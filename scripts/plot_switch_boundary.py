@@ -9,7 +9,7 @@ Each cell gives every request the same survivals a_j = alpha^(j+1), alpha solved
   forward 0.4 plain steps), shaped after docs/results.md;
 - "GPU-like": `synthetic_sps_table()` (CUDA-graph tiers), plain = the anchor-only verify, a draft 2 ms.
 A measured table without a drafter column (SGLang's profiler: whole drafting steps) is costed as the HSPEC
-worker costs it, `StepCosts(full_block=block_size + 1)`.
+worker costs it, `StepCosts(block_size=block_size)`.
 
     python scripts/plot_switch_boundary.py --out docs/scheduler_switch.png
 """
@@ -73,7 +73,7 @@ def main() -> int:
         table = load_sps_table(args.sps_table)
         # no drafter column: SGLang's profile of whole drafting steps, costed as the HSPEC worker does
         whole_steps = not getattr(table, "draft_seconds", [1.0])
-        costs = StepCosts(table, full_block=args.block_size + 1 if whole_steps else None)
+        costs = StepCosts(table, block_size=args.block_size if whole_steps else None)
         name = args.sps_table.rsplit("/", 1)[-1]
         panels = [(f"measured: {name}" + (" (whole drafting steps)" if whole_steps else ""), costs)]
     else:

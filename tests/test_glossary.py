@@ -34,7 +34,6 @@ SCOPE = {
 
 # (path relative to the repo, alias) -> why it stays there.
 ALLOWED = {
-    ("scheduler/switch.py", "full_block"): "StepCosts' keyword scripts/plot_switch_boundary.py still passes (-> block_size)",
     ("sglang_hspec/engine/policies.py", "temperatures"): "the STS temperatures (StsCalibration's), to calibration",
 }
 

@@ -131,8 +131,6 @@ def test_a_step_over_n_requests_costs_at_least_the_table_at_n_requests():
     assert not decide([[0.4, 0.16, 0.064]], costs, **KNOWN).speculate
     with pytest.raises(ValueError, match="block_size"):
         switch.StepCosts(table, block_size=-1)
-    # sglang_plugin/worker.py's keyword: the verify rows per request, block_size + 1
-    assert switch.StepCosts(table, full_block=8).verify_floor_seconds(16) == costs.verify_floor_seconds(16)
 
 
 def test_estimated_survival_hand_computed():
