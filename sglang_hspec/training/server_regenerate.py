@@ -90,7 +90,11 @@ class ChatServer:
                           seeds: list[int | None]) -> list[ServerReply]:
         """One reply per conversation, `concurrency` requests in flight; in input order."""
         bodies = [self._body(c, sampling, seed) for c, seed in zip(conversations, seeds)]
-        return list(self._pool.map(self._reply, bodies))
+        replies = list(self._pool.map(self._reply, bodies))
+        for r in replies:  # here, not in the threads: a fast tokenizer is not safe to call from several at once
+            if r.text:
+                r.output_ids = list(self.tokenizer(r.text, add_special_tokens=False)["input_ids"])
+        return replies
 
     def _body(self, messages, sampling: SamplingParams, seed: int | None) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": sampling.max_new_tokens,
@@ -128,8 +132,7 @@ class ChatServer:
                 finish_reason = str(choice.get("finish_reason") or "stop")
             except (ValueError, KeyError, IndexError, TypeError, AttributeError):
                 return _failed(f"{where}: not a chat completion: {resp.text[:200]!r}")
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-            return ServerReply(output_ids=list(ids), text=text, finish_reason=finish_reason)
+            return ServerReply(output_ids=[], text=text, finish_reason=finish_reason)  # ids: generate_messages
         if problem.startswith("cannot connect"):
             raise ServerUnreachableError(f"{where}: {problem} after {self.retries + 1} tries; is the server still "
                                          f"running? {LAUNCH_HINT}. The committed shards are kept: rerun the same "
