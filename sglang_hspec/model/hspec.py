@@ -145,11 +145,14 @@ class Mamba2(nn.Module):
         g = g.reshape(b, L, -1) * self.norm.to(g.dtype)
         return self.out_proj(g.to(z.dtype))
 
-    def forward(self, u: torch.Tensor, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Mixer output and the final SSM state (None from SGLang's serving kernel, which returns none)."""
+    def forward(self, u: torch.Tensor, initial_state: torch.Tensor, *,
+                final_state: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mixer output and the final SSM state (None from SGLang's serving kernel, which returns none, and
+        where `final_state` is False)."""
         z, x, B, C, dt = self.split(u)
         A = -torch.exp(self.A_log.float() if u.dtype != torch.float64 else self.A_log)
-        y, final = mamba_block(x, dt, A, B, C, self.D, self.dt_bias, initial_state, chunk_size=self.chunk_size)
+        y, final = mamba_block(x, dt, A, B, C, self.D, self.dt_bias, initial_state, chunk_size=self.chunk_size,
+                               final_state=final_state)
         return self.gated_norm_out(y, z), final
 
 
@@ -313,7 +316,8 @@ class Layer(nn.Module):
 
     def forward(self, x, positions, inv_freq, state0, context):
         if self.mamba is not None:
-            x = x + self.mamba(self.mamba_norm(x), state0)[0]
+            # every layer starts from state0: the block's final state is never read
+            x = x + self.mamba(self.mamba_norm(x), state0, final_state=False)[0]
         if self.attn is not None:
             x = x + self.attn(self.attn_norm(x), positions, inv_freq, context)
         return x + self.mlp(self.mlp_norm(x))
@@ -559,11 +563,13 @@ class DraftModel(nn.Module):
         prev = ctx.anchor_tokens.to(h.device)
         for j in range(k):  # the sequential part is only the Markov bias, confidence and sampling
             out = self.head_outputs(h[:, j], prev, base[:, j])
-            probs = sampling_probs(out.logits, sampling)
-            draft_tok = probs.argmax(-1) if sampling.greedy else sample_from(probs, generator)
-            prev = tokens[:, j] = self.d2t[draft_tok]
-            if q is not None:
+            if sampling.greedy:  # the argmax itself: sampling_probs' one-hot would only be argmaxed again
+                draft_tok = out.logits.argmax(-1)
+            else:
+                probs = sampling_probs(out.logits, sampling)
+                draft_tok = sample_from(probs, generator)
                 q[:, j].scatter_(-1, self.d2t.expand(B, -1), probs)
+            prev = tokens[:, j] = self.d2t[draft_tok]
             if conf is not None:
                 conf[:, j] = out.confidence_logits
         return DraftProposal(tokens=tokens, q=q, confidence_logits=conf)

@@ -37,7 +37,9 @@ def ssd_naive(x, dt, A, B, C, D, initial_state):
     return torch.stack(ys, dim=1), state
 
 
-def ssd_block(x, dt, A, B, C, D, initial_state):
+def ssd_block(x, dt, A, B, C, D, initial_state, *, final_state: bool = True):
+    """The block's outputs and (when `final_state`) its final state; inference drops the state (H-Spec starts
+    every block from the projected state), which saves an einsum over the whole state."""
     b, L, h, p = x.shape
     g = B.shape[2]
     a = dt * A  # [b, L, h], <= 0
@@ -52,6 +54,8 @@ def ssd_block(x, dt, A, B, C, D, initial_state):
     Ch, Bh = _heads(C, h), _heads(B, h)
     y = y + torch.einsum("blhn,bhpn->blhp", Ch * torch.exp(cum)[..., None], initial_state)
     y = y + D[None, None, :, None] * x
+    if not final_state:
+        return y, None
     last = cum[:, -1]  # [b, h]
     final = torch.exp(last)[..., None, None] * initial_state + torch.einsum(
         "bsh,bshp,bshn->bhpn", torch.exp(last[:, None] - cum) * dt, x, Bh
@@ -145,10 +149,10 @@ def sglang_block_scan(x, dt, A, B, C, D, dt_bias, initial_state):
     return out
 
 
-def mamba_block(x, dt, A, B, C, D, dt_bias, initial_state, *, chunk_size: int):
+def mamba_block(x, dt, A, B, C, D, dt_bias, initial_state, *, chunk_size: int, final_state: bool = True):
     """The Mamba-2 scan of a block with the backend `scan_backend` picks: (y [b, L, h, p] in x.dtype,
-    final state [b, h, p, n] or None where the kernel does not return it: SGLang's serving kernel;
-    H-Spec re-derives the state every round). dt is raw (before dt_bias and softplus)."""
+    final state [b, h, p, n] or None where the kernel does not return it: SGLang's serving kernel; or where
+    `final_state` is False: H-Spec re-derives the state every round). dt is raw (before dt_bias and softplus)."""
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, dt, A, B, C, D, dt_bias, initial_state))
     backend = scan_backend(device=x.device, needs_grad=needs_grad)
@@ -160,8 +164,9 @@ def mamba_block(x, dt, A, B, C, D, dt_bias, initial_state, *, chunk_size: int):
         y, final = _kernel("mamba_ssm")(x.contiguous(), dt.contiguous(), A.float(), B.contiguous(), C.contiguous(),
                                         chunk_size, D=D.float(), dt_bias=dt_bias.float(), dt_softplus=True,
                                         initial_states=initial_state.float().contiguous(), return_final_states=True)
-        return y.to(x.dtype), final
+        return y.to(x.dtype), final if final_state else None
     ct = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64 (oracle tests)
     dtp = F.softplus((dt + dt_bias).to(ct))  # threshold 20, as the kernels
-    y, final = ssd_block(x.to(ct), dtp, A.to(ct), B.to(ct), C.to(ct), D.to(ct), initial_state.to(ct))
+    y, final = ssd_block(x.to(ct), dtp, A.to(ct), B.to(ct), C.to(ct), D.to(ct), initial_state.to(ct),
+                         final_state=final_state)
     return y.to(x.dtype), final

@@ -145,3 +145,10 @@ def test_no_placeholder_modules_are_planted():
     ssd._kernel("mamba_ssm")
     mod = sys.modules.get("mamba_ssm")
     assert mod is None or getattr(mod, "__file__", None) is not None  # a real package or nothing
+
+
+def test_without_the_final_state_the_outputs_are_the_same_bits():
+    args = _inputs(torch.float32)
+    y, s = ssd_block(*args)
+    y_only, none = ssd_block(*args, final_state=False)
+    assert none is None and s is not None and torch.equal(y_only, y)
