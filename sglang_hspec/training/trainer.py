@@ -380,6 +380,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
                              kv_layer_ids=list(dict.fromkeys([*drafter.kv_layer_ids, *ids[-3:]])),
                              dtype=cfg.data.feature_cache_dtype)
         cache.check_covers(hidden_layer_ids=drafter.target_layer_ids, kv_layer_ids=drafter.kv_layer_ids)
+        if rank == 0:  # its disk cost, before any of it is written
+            cache.plan(examples, target_config=target.config, log_partition=cfg.training.cached_log_partition)
 
     pad_id = getattr(target.config, "pad_token_id", None) or 0
     per_micro = cfg.data.batch_size * world  # sequences per micro-batch over all ranks

@@ -28,14 +28,19 @@ def count_target_forwards(monkeypatch):
     return calls
 
 
-def test_feature_cache_gives_the_same_losses_and_runs_the_target_once_per_example(tmp_path, count_target_forwards):
+def test_feature_cache_gives_the_same_losses_and_runs_the_target_once_per_example(tmp_path, count_target_forwards,
+                                                                                   capsys):
     # 16 sequences, 4 per step: 8 steps are 2 epochs
     over = SMALL + ["training.max_steps=8"]
     plain = train(load_config(TINY, over + [f"training.output_dir={tmp_path / 'plain'}"]), progress=False)
     assert len(count_target_forwards) == 8
     count_target_forwards.clear()
     cache_over = over + [f"data.feature_cache={tmp_path / 'cache'}"]
+    capsys.readouterr()
     first = train(load_config(TINY, cache_over + [f"training.output_dir={tmp_path / 'a'}"]), progress=False)
+    # the disk cost is said before the cache is written: 16 sequences of 24 tokens, none cached yet
+    plan = [line for line in capsys.readouterr().err.splitlines() if line.startswith("target-feature cache")]
+    assert len(plan) == 1 and "bytes per token x 384 tokens (16 of 16 examples not cached yet)" in plan[0], plan
     assert len(count_target_forwards) == 4  # epoch 1 only
     assert first.cache_stats["misses"] == 16 and first.cache_stats["hits"] == 16
     # epoch 1 trains on the very forward that fills the cache; epoch 2 reads features of other batches' forwards
