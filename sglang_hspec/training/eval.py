@@ -108,8 +108,9 @@ def parse_temperatures(values: list[str] | None) -> list[float]:
             except ValueError:
                 raise ValueError(f"--temperature {part!r} is not a number; use e.g. --temperature 0,1") \
                     from None
-            if t < 0:
-                raise ValueError(f"--temperature {t} is negative; use 0 for greedy or a positive value")
+            if not 0 <= t < float("inf"):  # nan fails every comparison
+                raise ValueError(f"--temperature {part} is not a finite number >= 0; use 0 for greedy or a "
+                                 "positive value")
             out.append(t)
     return list(dict.fromkeys(out))
 

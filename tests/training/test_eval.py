@@ -168,8 +168,9 @@ def test_distinct_labels_number_repeated_kinds():
 def test_parse_temperatures():
     assert parse_temperatures(None) == [0.0, 1.0]
     assert parse_temperatures(["0", "0.7,1", "1"]) == [0.0, 0.7, 1.0]
-    with pytest.raises(ValueError, match="negative"):
-        parse_temperatures(["-1"])
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(ValueError, match=rf"^--temperature {bad} is not a finite number >= 0; use 0 for greedy"):
+            parse_temperatures(["0", bad])
 
 
 def _payload(name, taus, temperature=0.0):
