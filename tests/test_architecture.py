@@ -343,3 +343,9 @@ def test_no_test_package_shadows_an_installed_distribution():
                if init.parent.name in installed}
     assert not shadows, (f"test packages named like installed distributions: {shadows}; drop their __init__.py "
                          "(import their helpers by bare name) or rename them")
+
+
+def test_the_front_pages_stay_short():
+    """A newcomer reads the README and the results page whole: under 120 and 400 lines."""
+    assert len((ROOT / "README.md").read_text().splitlines()) < 120
+    assert len((ROOT / "docs" / "results.md").read_text().splitlines()) < 400
