@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 from torch import nn
@@ -199,13 +199,32 @@ def _layer_id_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
 
+def _unreadable(file: Path, error: Exception) -> ValueError:
+    if not file.is_file():
+        return ValueError(f"{file} does not exist: a drafter checkpoint is a directory with config.json and "
+                          "model.safetensors (sglang_hspec.model.checkpoint.save_drafter writes both)")
+    return ValueError(f"{file} cannot be read as safetensors ({error}): it is truncated or damaged; re-copy the "
+                      "checkpoint, or write it again with sglang_hspec.model.checkpoint.save_drafter")
+
+
 def read_checkpoint_weights(path: str | Path) -> dict[str, torch.Tensor]:
     file = Path(path) / "model.safetensors"
     try:
         return load_file(str(file))
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file} cannot be read as safetensors ({e}): it is truncated or damaged; re-copy the "
-                         "checkpoint, or write it again with sglang_hspec.model.checkpoint.save_drafter") from None
+        raise _unreadable(file, e) from None
+
+
+def check_checkpoint_weights_readable(path: str | Path) -> None:
+    """Raise the error `read_checkpoint_weights` would, from the safetensors header alone (milliseconds): its
+    length and that its tensors cover the file, so a truncated or damaged checkpoint is named before a server
+    spends a minute starting."""
+    file = Path(path) / "model.safetensors"
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(file, e) from None
 
 
 def load_state_strict(model: nn.Module, state: dict[str, torch.Tensor], *, what: str) -> None:

@@ -9,6 +9,7 @@ from faults import disk_full_after
 
 from sglang_hspec.core.atomic import ArtifactWriteError
 from sglang_hspec.model import KINDS, build_draft_vocab, load_drafter, save_drafter
+from sglang_hspec.model.checkpoint import check_checkpoint_weights_readable, read_checkpoint_weights
 from sglang_hspec.target.geometry import TargetGeometry
 
 from ._tiny import make_drafter, make_target, target_features
@@ -114,6 +115,26 @@ def test_truncated_safetensors_names_the_file_and_the_fix(tmp_path, target):
     with pytest.raises(ValueError, match=rf"^{weights} cannot be read as safetensors \(.*\): it is truncated or "
                                          "damaged; re-copy the checkpoint"):
         load_drafter(tmp_path, geom, *args)
+
+
+@pytest.mark.parametrize("keep", [1000, 0.9], ids=["header cut", "tensors cut"])
+def test_the_header_check_names_a_damaged_file_as_the_full_read_does(tmp_path, target, keep):
+    _saved(tmp_path, target)
+    check_checkpoint_weights_readable(tmp_path)  # intact: nothing to say
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(ValueError) as quick:
+        check_checkpoint_weights_readable(tmp_path)
+    with pytest.raises(ValueError) as full:
+        read_checkpoint_weights(tmp_path)
+    assert str(quick.value).startswith(f"{weights} cannot be read as safetensors (")
+    assert str(quick.value).endswith("it is truncated or damaged; re-copy the checkpoint, or write it again with "
+                                     "sglang_hspec.model.checkpoint.save_drafter")
+    weights.unlink()
+    with pytest.raises(ValueError, match=rf"^{weights} does not exist: a drafter checkpoint is a directory with "
+                                         "config.json and model.safetensors"):
+        check_checkpoint_weights_readable(tmp_path)
 
 
 def test_config_written_for_a_shallower_target_names_the_layer_counts(tmp_path, target):
