@@ -88,6 +88,17 @@ def model_identity(path: str | os.PathLike | None) -> str:
     return str(p.resolve()) if p.exists() else str(path)
 
 
+def drafter_identity(path: str | os.PathLike | None) -> str:
+    """A local drafter by its architecture (a digest of its config.json): what a step's time depends on. Copies
+    of one drafter share a table; a drafter with another config.json at the same path does not reuse it."""
+    if path is None:
+        return ""
+    config = Path(path).expanduser() / "config.json"
+    if config.is_file():
+        return "config sha256 " + hashlib.sha256(config.read_bytes()).hexdigest()[:16]
+    return model_identity(path)
+
+
 def device_name(device: str | None, gpu_id: int = 0) -> str:
     """The accelerator's marketing name (`NVIDIA H200`), or `cpu <model name>` on CPU."""
     kind = (device or "").split(":")[0]
@@ -109,7 +120,7 @@ def device_name(device: str | None, gpu_id: int = 0) -> str:
 @dataclass(frozen=True)
 class SpsCacheKey:
     """What a measured SPS table depends on. The step time includes the drafter's forward, so the
-    drafter is part of the model."""
+    drafter's architecture is part of the key (`drafter_identity`)."""
 
     device_name: str
     model: str
@@ -123,7 +134,7 @@ class SpsCacheKey:
         return cls(
             device_name=device_name(get("device"), get("base_gpu_id", 0) or 0),
             model=model_identity(get("model_path")),
-            draft_model=model_identity(get("speculative_draft_model_path")),
+            draft_model=drafter_identity(get("speculative_draft_model_path")),
             tp_size=int(get("tp_size", 1) or 1),
             dtype=str(get("dtype", "auto") or "auto"),
         )

@@ -55,6 +55,16 @@ def test_key_from_server_args_resolves_local_paths_and_keeps_hub_ids(tmp_path, m
     assert key.device_name.startswith("cpu ")
     same = SpsCacheKey.from_server_args(SimpleNamespace(**{**vars(args), "model_path": str(tmp_path / "target")}))
     assert same == key
+    # a local drafter by its config.json: copies share the key, another architecture at the same path does not
+    for name in ("d1", "d2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"block_size": 7}')
+    one, two = (SpsCacheKey.from_server_args(SimpleNamespace(**{**vars(args), "speculative_draft_model_path":
+                                                                str(tmp_path / n)})) for n in ("d1", "d2"))
+    assert one == two and one.draft_model.startswith("config sha256 ") and len(one.draft_model) == 14 + 16
+    (tmp_path / "d2" / "config.json").write_text('{"block_size": 5}')
+    assert SpsCacheKey.from_server_args(SimpleNamespace(**{**vars(args), "speculative_draft_model_path":
+                                                           str(tmp_path / "d2")})) != one
     # fields SGLang leaves unset fall back to its defaults
     bare = SpsCacheKey.from_server_args(SimpleNamespace(model_path="m", device="cpu"))
     assert (bare.tp_size, bare.dtype, bare.draft_model) == (1, "auto", "")
