@@ -20,23 +20,25 @@ import torch
 from sglang_hspec.target.adapter import TargetAdapter
 
 
-def _load_adapter(target: str, dtype: str, device: str | None) -> TargetAdapter:
+def _load_adapter(target: str, dtype: str, device: str | None, batch_invariant: str) -> TargetAdapter:
     from sglang_hspec.target.loading import load_target
 
-    return load_target(target, dtype=dtype, device=device or "cpu")
+    return load_target(target, dtype=dtype, device=device or "cpu", batch_invariant=batch_invariant)
 
 
 def make_step_fn(*, max_batch_tokens: int, tokens_per_request: int = 8, target: str = "embedded",
                  dtype: str = "auto", context: int = 128, device: str | None = None, max_requests: int = 64,
-                 drafter: str = "default"):
+                 drafter: str = "default", batch_invariant: str = "auto"):
     """`step_fn(batch_tokens)` over `target` ('embedded' SmolLM2, 'tiny', or a local HF model directory;
     dtype auto = bf16 where it is faster, else fp32), with `plain_fn` and `draft_fn` for up to
     `max_requests` requests. drafter: 'default' (the shipped one on the embedded target, else none),
-    'none', 'shipped' or a checkpoint directory. Keywords come from `--factory-arg KEY=VALUE`."""
+    'none', 'shipped' or a checkpoint directory; batch_invariant: the target's row-invariant mode, as the engine
+    loads it (auto: on for bf16 on a CPU where it holds), so the table times the forwards the engine will run.
+    Keywords come from `--factory-arg KEY=VALUE`."""
     if tokens_per_request < 1 or max_batch_tokens < 1 or context < 1:
         raise ValueError(f"need tokens_per_request, max_batch_tokens and context >= 1, got "
                          f"{tokens_per_request}, {max_batch_tokens}, {context}")
-    adapter = _load_adapter(str(target), dtype, device)
+    adapter = _load_adapter(str(target), dtype, device, str(batch_invariant))
     if context + tokens_per_request > adapter.max_context:
         raise ValueError(f"context {context} + {tokens_per_request} verify tokens exceeds the target's "
                          f"{adapter.max_context}; pass a smaller --factory-arg context=N")

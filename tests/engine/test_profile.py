@@ -85,3 +85,18 @@ def test_draft_fn_times_an_hspec_drafter(tmp_path):
                         plain_batch_sizes=[2, 1], warmup=0, repeats=1, steps_per_repeat=1, progress=False)
     assert table.plain_batch_sizes == [1, 2] and len(table.plain_steps_per_sec) == 2
     assert len(table.draft_seconds) == 2 and all(t > 0 for t in table.draft_seconds)
+
+
+@pytest.mark.parametrize("mode", ["auto", "on", "off"])
+def test_the_profiled_target_runs_the_row_invariant_mode_the_engine_loads(monkeypatch, mode):
+    """The table times the forwards the engine runs: the factory loads the target with the engine's
+    batch_invariant mode (default auto), passed through --factory-arg batch_invariant=..."""
+    from sglang_hspec.target import loading
+
+    seen = []
+    real = loading.load_target
+    monkeypatch.setattr(loading, "load_target", lambda *a, **kw: seen.append(kw["batch_invariant"]) or real(*a, **kw))
+    kwargs = {} if mode == "auto" else {"batch_invariant": mode}
+    make_step_fn(max_batch_tokens=8, tokens_per_request=8, target="tiny", dtype="fp32", context=16, max_requests=1,
+                 drafter="none", **kwargs)
+    assert seen == [mode]
