@@ -22,6 +22,7 @@ Imports SGLang: imported only from the worker inside the scheduler process (and 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -42,8 +43,10 @@ from sglang_hspec.model.checkpoint import load_state_strict, sglang_capture_ids
 from sglang_hspec.model.config import HSpecConfig
 from sglang_hspec.model.hspec import DraftModel
 from sglang_hspec.model.ssd import scan_backend
+from sglang_hspec.model.tensor_parallel import kv_head_range, local_kv_heads, shard_drafter
 
 ARCHITECTURE = "HSpecDraftModel"
+logger = logging.getLogger(__name__)
 
 
 def _hspec_section(config) -> dict:
@@ -59,6 +62,27 @@ def _plain_lm_head(lm_head: nn.Module) -> bool:
     alone. SGLang's ParallelLMHead carries `UnquantizedEmbeddingMethod` when it is not quantized (not None)."""
     method = getattr(lm_head, "quant_method", None)
     return (method is None or type(method) is UnquantizedEmbeddingMethod) and int(getattr(lm_head, "tp_size", 1)) == 1
+
+
+def tensor_parallel_group() -> tuple[int, int, object]:
+    """(rank, world size, all-reduce) of SGLang's TP group, which the draft runner shares with the target
+    (without DP attention, `resolve_draft_parallel_layout` gives the drafter no group of its own); (0, 1,
+    None) outside a server, and under the GPU check's SGLang stand-ins (scripts/gpu_check.py), which lack
+    sglang.srt.distributed."""
+    try:
+        from sglang.srt.distributed.communication_op import tensor_model_parallel_all_reduce
+        from sglang.srt.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+            model_parallel_is_initialized,
+        )
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("sglang.srt"):
+            raise
+        return 0, 1, None
+    if not model_parallel_is_initialized():
+        return 0, 1, None
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), tensor_model_parallel_all_reduce
 
 
 class DraftVocabMarkov(BaseDSparkMarkovHead):
@@ -192,13 +216,14 @@ class HSpecDraftModel(nn.Module):
             raise ValueError("HSPEC reads the target KV pool in place and supports --kv-cache-dtype auto, bf16, "
                              "fp8_e4m3 and fp8_e5m2, not block-scaled FP4/MXFP8 pools; pick one of those")
         fp8 = False
+        heads = local_kv_heads(self.drafter)  # this rank's shard under tensor parallelism
         for layer_id in self.drafter.kv_layer_ids:
             buffer = target_pool.get_key_buffer(layer_id)
             shape = tuple(buffer.shape[1:])
-            if shape != (t.num_key_value_heads, t.head_dim):
+            if shape != (heads, t.head_dim):
                 raise ValueError(f"target KV layer {layer_id} stores [kv_heads, head_dim] = {shape}, the "
-                                 f"drafter expects {(t.num_key_value_heads, t.head_dim)} (tensor parallelism "
-                                 "that shards KV heads is not supported yet)")
+                                 f"drafter expects {(heads, t.head_dim)} ({t.num_key_value_heads} KV heads over "
+                                 f"{getattr(self.drafter, 'tp_size', 1)} tensor-parallel ranks)")
             if not (buffer.dtype.is_floating_point and buffer.dtype.itemsize >= 2) and buffer.dtype not in FP8_DTYPES:
                 raise ValueError(f"target KV layer {layer_id} is stored as {buffer.dtype}, which the drafter cannot "
                                  "read; serve with --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2")
@@ -259,6 +284,13 @@ class HSpecDraftModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_state_strict(self.drafter, dict(weights), what="the H-Spec drafter checkpoint (write it with save_drafter)")
         self._fill_confidence_head()
+        rank, world_size, all_reduce = tensor_parallel_group()
+        # the checkpoint is whole; each rank keeps the attention heads of its KV shard (model/tensor_parallel.py)
+        shard_drafter(self.drafter, rank, world_size, all_reduce)
+        if world_size > 1:
+            heads = kv_head_range(self.hspec_config.target.num_key_value_heads, rank, world_size)
+            logger.info("HSPEC: drafter attention sharded over %d TP ranks; rank %d reads KV heads %d..%d of its "
+                        "pool, the rest of the drafter is replicated", world_size, rank, heads.start, heads.stop - 1)
         # inference weights, as SGLang's own layers create theirs (Parameter(..., requires_grad=False)): no call
         # path, with or without grad mode, builds an autograd graph through them
         self.requires_grad_(False)

@@ -22,6 +22,7 @@ from typing import Any
 
 from sglang_hspec.model.checkpoint import check_against_target, read_checkpoint_config
 from sglang_hspec.model.config import SLOT_CONVENTION, HSpecConfig
+from sglang_hspec.model.tensor_parallel import check_shardable
 from sglang_hspec.target.geometry import TargetGeometry
 
 from .sglang_names import given_num_draft_tokens, set_server_block_size, sglang_num_draft_tokens
@@ -193,14 +194,11 @@ def validate_server_args(server_args: Any) -> None:
     except ValueError as e:
         raise ValueError(f"HSPEC cannot serve target {server_args.model_path!s}: {e}") from e
     tp = int(getattr(server_args, "tp_size", 1) or 1)
-    if tp > 1:
-        heads = geometry.num_key_value_heads
-        raise ValueError(
-            f"HSPEC does not support tensor parallelism yet (got --tp-size {tp}, also spelled --tp): SGLang shards "
-            f"the target's {heads} KV heads over the {tp} ranks (each rank's KV pool holds {max(1, heads // tp)}), "
-            "and the drafter's attention, which reads the target's KV pool in place, needs all of them on every "
-            "rank. Serve with --tp-size 1 on a GPU that holds the target; for more GPUs add --dp-size N "
-            "(N independent replicas, each with every KV head)")
+    try:
+        # SGLang shards the target's KV heads over the ranks; each rank's drafter reads its shard in place
+        check_shardable(geometry.num_key_value_heads, tp)
+    except ValueError as e:
+        raise ValueError(f"HSPEC cannot serve --tp-size {tp} (also spelled --tp): {e}") from None
     check_drafter_json(server_args.speculative_draft_model_path)
     try:
         drafter = read_checkpoint_config(server_args.speculative_draft_model_path, geometry)

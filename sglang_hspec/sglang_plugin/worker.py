@@ -36,6 +36,7 @@ from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWork
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 
 from sglang_hspec.model import hspec as _hspec_model
+from sglang_hspec.model.tensor_parallel import local_kv_heads
 
 from .context import ContextState, drafter_kv_bytes_saved, prefill_last_rows, verify_commit_rows
 from .lookup_splice import LOOKUP_ENV, lookup_enabled, splice_lookup_into_argmax_blocks
@@ -250,7 +251,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
         self._switch = self._build_switch(req_pool_size=req_to_token.shape[0])
         saved = drafter_kv_bytes_saved(
             max_total_tokens=memory_pool_config.max_total_num_tokens,
-            num_attention_layers=cfg.num_attention_layers, num_kv_heads=cfg.target.num_key_value_heads,
+            num_attention_layers=cfg.num_attention_layers, num_kv_heads=local_kv_heads(self.draft_model.drafter),
             head_dim=cfg.target.head_dim, dtype_bytes=target_pool.get_key_buffer(0).element_size(),
         )
         logger.info("HSPEC: drafter reads the target KV pool in place; no drafter KV cache allocated "

@@ -14,8 +14,9 @@
 4. Qwen2 targets: SGLang's Qwen2ForCausalLM has no `set_dflash_layers_to_capture`, so the target runner's
    `configure_aux_hidden_state_capture` raised at startup. A real CPU server on a tiny Qwen2 target.
 
-(3, tensor parallelism, is refused at argument validation: test_sglang_server_args.py and
-test_sglang_startup_errors.py.)
+(3, tensor parallelism: the drafter's attention is sharded by KV head, tests/model/test_tensor_parallel.py and
+test_sglang_tp.py; a TP size that splits a KV head is refused at argument validation, test_sglang_server_args.py
+and test_sglang_startup_errors.py.)
 """
 
 from __future__ import annotations

@@ -142,17 +142,21 @@ def test_unsupported_parallel_modes_are_rejected(ckpts, kw, match):
         sa.validate_server_args(_args(ckpts, **kw))
 
 
-@pytest.mark.parametrize("tp_size", [2, 4])
-def test_tensor_parallelism_is_refused_before_any_weight_loads(ckpts, tp_size):
-    """With --tp-size N each rank's KV pool holds num_key_value_heads / N of the target's KV heads, and the
-    drafter's attention reads all of them (its query heads are not sharded): refused with the reason and
-    the fix, at argument validation, not in the scheduler after the weights load."""
+@pytest.mark.parametrize("tp_size", [3, 4])
+def test_tensor_parallelism_that_splits_a_kv_head_is_refused_before_any_weight_loads(ckpts, tp_size):
+    """Each rank's drafter reads whole KV heads of its rank's pool (model/tensor_parallel.py): a TP size that
+    does not divide the target's 2 KV heads is refused at argument validation, naming both numbers."""
     with pytest.raises(ValueError) as e:
         sa.validate_server_args(_args(ckpts, tp_size=tp_size))
     msg = str(e.value)
     assert f"--tp-size {tp_size}" in msg and "--tp" in msg  # the flag, as either spelling
-    assert "KV heads" in msg and "2 KV heads" in msg  # the reason, with the target's count
-    assert "--tp-size 1" in msg and "--dp-size" in msg  # the fix: one GPU per replica, replicas by data parallelism
+    assert f"2 KV heads, which {tp_size} does not divide" in msg  # the reason, with both numbers
+    assert "divides 2" in msg  # the fix
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_tensor_parallelism_that_divides_the_kv_heads_is_accepted(ckpts, tp_size):
+    sa.validate_server_args(_args(ckpts, tp_size=tp_size))
 
 
 @pytest.mark.parametrize("kw", [{"dp_size": 2}, {"dp_size": 4, "tp_size": 1}])

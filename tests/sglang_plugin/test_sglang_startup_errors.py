@@ -152,14 +152,14 @@ def test_lookup_splice_with_overlap_scheduling(ckpts, tmp_path):
                               "--disable-overlap-schedule, or drop HSPEC_LOOKUP")
 
 
-def test_tensor_parallelism(ckpts, tmp_path):
-    """`--tp 2`: refused while the launcher resolves its arguments, naming the flag, the reason and the fix
-    (before, the scheduler loaded the weights and bind_target_kv raised there, with no word about TP)."""
+def test_tensor_parallelism_that_splits_a_kv_head(ckpts, tmp_path):
+    """`--tp 4` over the target's 2 KV heads: refused while the launcher resolves its arguments, naming the
+    flag and both numbers (each rank's drafter reads whole KV heads of its pool)."""
     rc, out, _ = launch_and_fail(ckpts["target"], ["--speculative-draft-model-path", str(ckpts["hspec"]),
-                                                   "--tp", "2"], log=tmp_path / "launch.log")
+                                                   "--tp", "4"], log=tmp_path / "launch.log")
     assert_stopped_at_argument_resolution(rc, out)
     line = last_line(out)
-    assert "--tp-size 2" in line and "KV heads" in line and "--tp-size 1" in line, line
+    assert "--tp-size 4" in line and "2 KV heads, which 4 does not divide" in line, line
 
 
 def fake_installed_version(root: Path, dist: str, version: str) -> Path:
