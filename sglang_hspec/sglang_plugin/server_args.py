@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sglang_hspec.model.checkpoint import check_against_target, read_checkpoint_config
+from sglang_hspec.model.checkpoint import (check_against_target, check_checkpoint_weights_readable,
+                                           read_checkpoint_config)
 from sglang_hspec.model.config import SLOT_CONVENTION, HSpecConfig
 from sglang_hspec.model.tensor_parallel import check_shardable
 from sglang_hspec.target.geometry import TargetGeometry
@@ -220,6 +221,8 @@ def validate_server_args(server_args: Any) -> None:
 def handle_server_args(server_args: Any) -> None:
     """Resolve the speculative arguments as DSpark does (`_handle_dspark`), from the drafter checkpoint."""
     drafter = read_drafter_config(server_args.speculative_draft_model_path)
+    # a truncated or damaged model.safetensors is named here, in the launcher, before any process starts
+    check_checkpoint_weights_readable(server_args.speculative_draft_model_path)
     verify_rows = sglang_num_draft_tokens(block_size=drafter.block_size)
     explicit = given_num_draft_tokens(server_args)
     if explicit is not None and explicit != verify_rows:

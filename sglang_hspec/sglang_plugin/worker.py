@@ -182,6 +182,12 @@ class HSpecVerifyExecutor(TargetVerifyExecutor):
 
 
 class HSpecWorkerV2(DSparkWorkerV2):
+    def weight_update_runners(self) -> list:
+        """None: SGLang's weight updates (`/update_weights_from_disk` and the rest) hand their checkpoint to every
+        runner, but the drafter is its own checkpoint, not a slice of the target's. The target's weights change;
+        the drafter keeps its own, and verification keeps the outputs the new target's."""
+        return []
+
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, **kwargs):
         register_draft_model_class()
         kwargs["draft_worker_cls"] = draft_worker_class(
