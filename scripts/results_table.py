@@ -149,7 +149,7 @@ def headline_rows(root: Path = REPO) -> list[Row]:
                           f"{p['speedup_row_invariant']:.2f}x of its plain (stock {p['speedup_stock']:.2f}x); "
                           f"median of {len(p['rounds']) // 4} rounds",
                     machine=ZEN4, dtype="bf16",
-                    command="`python scripts/bench_row_invariant.py --limit 8 --other 12 --max-new-tokens 96 --rounds 3`",
+                    command="`python scripts/bench_row_invariant.py --limit 8 --other 12 --max-new-tokens 96 --rounds 2`",
                     artifact=ident))
     fp32 = "demo/2026-12-06_xeon-amx/demo_fp32.json"
     rows.append(Row(result="demo in fp32 (token-exact), 8 prompts x 64 tokens, `shipped+lookup`",
