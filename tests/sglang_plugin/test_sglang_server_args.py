@@ -36,14 +36,32 @@ def _drafter_config(target: dict, block_size: int = 7) -> dict:
     return {"architectures": ["HSpecDraftModel"], "hspec": cfg.to_dict()}
 
 
+def _write_drafter(path, config: dict):
+    """config.json and a model.safetensors the launcher's header check reads (the weights are never loaded here)."""
+    import torch
+    from safetensors.torch import save_file
+
+    _write(path, config)
+    save_file({"placeholder": torch.zeros(1)}, str(path / "model.safetensors"))
+    return path
+
+
 @pytest.fixture
 def ckpts(tmp_path):
     target = _target_config()
     return {
         "target": _write(tmp_path / "target", target),
-        "draft": _write(tmp_path / "draft", _drafter_config(target)),
-        "draft5": _write(tmp_path / "draft5", _drafter_config(target, block_size=5)),
+        "draft": _write_drafter(tmp_path / "draft", _drafter_config(target)),
+        "draft5": _write_drafter(tmp_path / "draft5", _drafter_config(target, block_size=5)),
     }
+
+
+def test_a_truncated_drafter_is_named_before_anything_starts(ckpts):
+    weights = ckpts["draft"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:20])
+    with pytest.raises(ValueError, match=rf"^{weights} cannot be read as safetensors \(.*\): it is truncated or "
+                                         "damaged; re-copy the checkpoint"):
+        sa.handle_server_args(_args(ckpts))
 
 
 def _args(ckpts, **kw):
