@@ -20,8 +20,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sglang_hspec.model.checkpoint import (check_against_target, check_checkpoint_weights_readable,
-                                           read_checkpoint_config)
+from sglang_hspec.model.checkpoint import (
+    check_against_target,
+    check_checkpoint_weights_readable,
+    read_checkpoint_config,
+)
 from sglang_hspec.model.config import SLOT_CONVENTION, HSpecConfig
 from sglang_hspec.model.tensor_parallel import check_shardable
 from sglang_hspec.target.geometry import TargetGeometry

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from sglang_hspec.calibration.fit import fit_sts_calibration
 from sglang_hspec.calibration.metrics import records_metrics
 from sglang_hspec.calibration.records import load_records

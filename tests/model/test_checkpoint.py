@@ -128,6 +128,7 @@ def test_the_header_check_names_a_damaged_file_as_the_full_read_does(tmp_path, t
         check_checkpoint_weights_readable(tmp_path)
     with pytest.raises(ValueError) as full:
         read_checkpoint_weights(tmp_path)
+    assert str(quick.value) == str(full.value)  # the header check says what the full read would
     assert str(quick.value).startswith(f"{weights} cannot be read as safetensors (")
     assert str(quick.value).endswith("it is truncated or damaged; re-copy the checkpoint, or write it again with "
                                      "sglang_hspec.model.checkpoint.save_drafter")

@@ -13,12 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.core.types import DraftContext, SamplingParams
 from sglang_hspec.kernels import PagedKVWindow
 from sglang_hspec.model.tensor_parallel import shard_drafter, shard_kv_heads, torch_all_reduce
 from sglang_hspec.target.kv_view import dense_window_view
-
-from sglang_hspec.assets.tiny import tiny_target
 
 from ._tiny import make_drafter, target_features
 
