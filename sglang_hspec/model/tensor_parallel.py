@@ -103,9 +103,9 @@ def shard_drafter(model: DraftModel, rank: int, world_size: int, all_reduce: All
     return model
 
 
-def local_kv_heads(model: DraftModel) -> int:
-    """KV heads per rank this drafter reads (all of the target's when unsharded)."""
-    return model.config.target.num_key_value_heads // getattr(model, "tp_size", 1)
+def local_kv_heads(num_kv_heads: int, drafter: nn.Module) -> int:
+    """KV heads per rank a drafter reads of a target with `num_kv_heads` (all of them when unsharded)."""
+    return num_kv_heads // int(getattr(drafter, "tp_size", 1))
 
 
 def shard_kv_heads(kv: torch.Tensor, rank: int, world_size: int, *, head_dim: int = 1) -> torch.Tensor:

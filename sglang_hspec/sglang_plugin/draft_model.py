@@ -43,7 +43,7 @@ from sglang_hspec.model.checkpoint import load_state_strict, sglang_capture_ids
 from sglang_hspec.model.config import HSpecConfig
 from sglang_hspec.model.hspec import DraftModel
 from sglang_hspec.model.ssd import scan_backend
-from sglang_hspec.model.tensor_parallel import kv_head_range, shard_drafter
+from sglang_hspec.model.tensor_parallel import kv_head_range, local_kv_heads, shard_drafter
 
 ARCHITECTURE = "HSpecDraftModel"
 logger = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class HSpecDraftModel(nn.Module):
             raise ValueError("HSPEC reads the target KV pool in place and supports --kv-cache-dtype auto, bf16, "
                              "fp8_e4m3 and fp8_e5m2, not block-scaled FP4/MXFP8 pools; pick one of those")
         fp8 = False
-        heads = t.num_key_value_heads // getattr(self.drafter, "tp_size", 1)  # this rank's shard under TP
+        heads = local_kv_heads(t.num_key_value_heads, self.drafter)  # this rank's shard under TP
         for layer_id in self.drafter.kv_layer_ids:
             buffer = target_pool.get_key_buffer(layer_id)
             shape = tuple(buffer.shape[1:])

@@ -257,7 +257,7 @@ class HSpecWorkerV2(DSparkWorkerV2):
         self._switch = self._build_switch(req_pool_size=req_to_token.shape[0])
         saved = drafter_kv_bytes_saved(
             max_total_tokens=memory_pool_config.max_total_num_tokens,
-            num_attention_layers=cfg.num_attention_layers, num_kv_heads=local_kv_heads(self.draft_model.drafter),
+            num_attention_layers=cfg.num_attention_layers, num_kv_heads=local_kv_heads(cfg.target.num_key_value_heads, self.draft_model.drafter),
             head_dim=cfg.target.head_dim, dtype_bytes=target_pool.get_key_buffer(0).element_size(),
         )
         logger.info("HSPEC: drafter reads the target KV pool in place; no drafter KV cache allocated "

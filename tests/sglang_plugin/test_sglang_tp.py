@@ -64,3 +64,4 @@ def test_hspec_tp2_server_equals_plain_tp2_and_hspec_tp1(checkpoints, sglang_ser
     assert ids_tp2 == ids_tp1 == want
     assert all(len(b) >= MAX_NEW // 4 for b in blocks_tp2), blocks_tp2  # block 3: at most 4 tokens a step
     assert blocks_tp2 == blocks_tp1
+
