@@ -206,7 +206,11 @@ class NodeDistribution:
 
 class _HSpecSource:
     """Per-node distributions of an H-Spec drafter from one backbone forward: slot j given the token at
-    slot j - 1 is base[j] + the Markov bias of that token; the confidence head reads the same pair."""
+    slot j - 1 is base[j] + the Markov bias of that token; the confidence head reads the same pair.
+
+    Nodes are computed in batches (`prefetch`): the heads of one slot for many previous tokens cost one
+    small GEMM, about what one token costs, so expanding a node also expands the parent's other candidates
+    (the tree's likely siblings) in the same call, and a tree costs about one head call per depth."""
 
     def __init__(self, model, ctx: DraftContext, *, confidence: Callable, top: int):
         self.model, self.confidence, self.top = model, confidence, top
@@ -216,27 +220,39 @@ class _HSpecSource:
             self.h = model.backbone(ctx.anchor_tokens, n, ctx.target_hidden, model.propose_contexts(ctx))
             self.base = model.base_logits(self.h)
         self.vocab = model.config.target.vocab_size
+        self._nodes: dict[tuple[int, int, int], tuple[NodeDistribution, torch.Tensor]] = {}
 
     @torch.no_grad()
-    def logits(self, b: int, slot: int, prev: int) -> tuple[torch.Tensor, float | None]:
-        prev_t = torch.tensor([prev], device=self.h.device)
-        out = self.model.head_outputs(self.h[b, slot][None], prev_t, self.base[b, slot][None])
-        conf = None if out.confidence_logits is None else float(out.confidence_logits[0])
-        return out.logits[0], conf
+    def prefetch(self, b: int, slot: int, prevs: Sequence[int]) -> None:
+        """Compute and keep the nodes (b, slot, prev) for every prev not yet computed, in one head call."""
+        todo = list(dict.fromkeys(p for p in prevs if (b, slot, p) not in self._nodes))
+        if not todo:
+            return
+        n = len(todo)
+        prev_t = torch.tensor(todo, device=self.h.device)
+        out = self.model.head_outputs(self.h[b, slot].expand(n, -1), prev_t, self.base[b, slot].expand(n, -1))
+        probs = torch.softmax(out.logits.float(), -1)
+        top_p, top_i = probs.topk(min(self.top, probs.shape[-1]), dim=-1)
+        ids, top_p = self.model.d2t[top_i].tolist(), top_p.tolist()
+        if out.confidence_logits is not None:
+            confs = self.confidence.many(slot, out.confidence_logits)
+        else:
+            confs = [row[0] for row in top_p]
+        for i, prev in enumerate(todo):
+            self._nodes[(b, slot, prev)] = (NodeDistribution(ids[i], top_p[i], confs[i]), out.logits[i])
 
-    def node(self, b: int, slot: int, prev: int) -> tuple[NodeDistribution, torch.Tensor]:
-        logits, conf = self.logits(b, slot, prev)
-        probs = torch.softmax(logits.float(), -1)
-        top_p, top_i = probs.topk(min(self.top, probs.shape[-1]))
-        ids = self.model.d2t[top_i].tolist()
-        c = float(self.confidence(slot, conf)) if conf is not None else float(top_p[0])
-        return NodeDistribution(ids, top_p.tolist(), c), logits
+    def node(self, b: int, slot: int, prev: int, *, siblings: Sequence[int] = ()) -> tuple[NodeDistribution, torch.Tensor]:
+        """The node (b, slot, prev); `siblings`: other previous tokens likely to be asked for at this slot
+        next, computed in the same call when this one is not computed yet."""
+        if (b, slot, prev) not in self._nodes:
+            self.prefetch(b, slot, [prev, *siblings])
+        return self._nodes[(b, slot, prev)]
 
     def main_child(self, b: int, slot: int, logits: torch.Tensor, sampling: SamplingParams,
                    generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+        if sampling.greedy:  # the argmax itself, as the chain's propose takes it
+            return int(self.model.d2t[logits.argmax()]), None
         probs = sampling_probs(logits[None], sampling)[0]
-        if sampling.greedy:
-            return int(self.model.d2t[probs.argmax()]), None
         draft_tok = sample_from(probs, generator)
         q = torch.zeros(self.vocab, device=probs.device).scatter_(0, self.model.d2t, probs)
         return int(self.model.d2t[draft_tok]), q
@@ -249,7 +265,7 @@ class _BlockSource:
     def __init__(self, proposal, *, confidence: Callable, top: int, block_size: int):
         self.proposal, self.confidence, self.top, self.block_size = proposal, confidence, top, block_size
 
-    def node(self, b: int, slot: int, prev: int) -> tuple[NodeDistribution, None]:
+    def node(self, b: int, slot: int, prev: int, *, siblings: Sequence[int] = ()) -> tuple[NodeDistribution, None]:
         q, conf = self.proposal.q, self.proposal.confidence_logits
         raw = None if conf is None else float(conf[b, slot])
         if q is None:
@@ -268,16 +284,20 @@ class _BlockSource:
         return self.block_size if lengths is None else int(lengths[b])
 
 
-def slot_confidence(transform: Callable[[torch.Tensor], torch.Tensor], block_size: int) -> Callable:
+class SlotConfidence:
     """(slot, raw confidence logit) -> probability through a per-slot transform of [B, block_size] logits
-    (sigmoid, or STS's per-slot temperatures)."""
+    (sigmoid, or STS's per-slot temperatures); `many` maps a tensor of one slot's logits in one call."""
 
-    def conf(slot: int, logit: float) -> float:
-        row = torch.zeros((1, block_size))
-        row[0, slot] = logit
-        return float(transform(row)[0, slot])
+    def __init__(self, transform: Callable[[torch.Tensor], torch.Tensor], block_size: int):
+        self.transform, self.block_size = transform, block_size
 
-    return conf
+    def many(self, slot: int, logits: torch.Tensor) -> list[float]:
+        rows = torch.zeros((logits.numel(), self.block_size))
+        rows[:, slot] = logits.reshape(-1).float().cpu()
+        return self.transform(rows)[:, slot].tolist()
+
+    def __call__(self, slot: int, logit: float) -> float:
+        return self.many(slot, torch.tensor([logit]))[0]
 
 
 # ---------------------------------------------------------------- building
@@ -298,7 +318,9 @@ def build_tree(source, b: int, *, anchor: int, sampling: SamplingParams, generat
     def expand(u: int):
         if tree.depths[u] >= max_depth:
             return None
-        dist, logits = source.node(b, tree.depths[u], tree.tokens[u])
+        parent = tree.parents[u]
+        siblings = dists[parent].ids if parent in dists else ()  # the parent's other candidates, likely next
+        dist, logits = source.node(b, tree.depths[u], tree.tokens[u], siblings=siblings)
         dists[u], next_rank[u] = dist, 0
         return logits
 
@@ -389,7 +411,7 @@ def build_trees(drafter, ctx: DraftContext, sampling: SamplingParams, generator:
     """One drafter forward over the context's rows, one tree per row (row b at most max_depths[b] deep)."""
     core = tree_drafter_core(drafter)
     block_size = core.block_size
-    conf = slot_confidence(confidence_transform, block_size)
+    conf = SlotConfidence(confidence_transform, block_size)
     top = spec.max_children + 1
     if all(hasattr(core, name) for name in ("backbone", "head_outputs", "propose_contexts", "d2t")):
         source = _HSpecSource(core, ctx, confidence=conf, top=top)
