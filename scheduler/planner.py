@@ -16,6 +16,11 @@ plain Python loops that the tests hold the torch versions to.
   (no early stop needed: old confidences cannot leak this step's tokens); the verify lengths are the top-K of
   this step's survivals.
 
+- tree (engine/tree.py): every request verifies its root and the tree's main branch; of the other nodes,
+  whose values (the estimated probability that the target reaches and keeps them) never exceed their
+  parent's, the n best by value are verified, n maximising Theta over every n. The best n of a set closed
+  under "value <= parent's value" is itself a tree (ties go to the earlier node).
+
 `min_survival` (argmax_budget / topk_lengths and their references; DSpark's `survival_eps`, 1e-6 in
 SGLang): candidates with a lower survival (or NaN) are never admitted, neither counted in the Theta
 curve nor verified. The SGLang plugin passes SGLang's value (sglang_plugin/planner_hooks.py).
@@ -115,6 +120,18 @@ def budget_choice(*, survival: torch.Tensor, sps: SpsCurve, min_survival: float 
     n = int(torch.argmax(theta))
     steps = sps.steps_per_sec_range(start=num_reqs + n, count=1, num_reqs=num_reqs)
     return BudgetChoice(budget=n, theta=float(theta[n]), steps_per_sec=float(steps[0]))
+
+
+def tree_extra_budget(*, extra_values: torch.Tensor, forced_tau: float, forced_tokens: int, num_reqs: int,
+                      sps: SpsCurve) -> int:
+    """How many of the trees' optional nodes to verify: the n maximising Theta(n) = (forced_tau + the n
+    largest `extra_values`) x SPS(forced_tokens + n) (first maximum on ties). forced_tokens: the rows every
+    request verifies anyway (its root and main branch), forced_tau: their expected tokens (1 per request
+    for the bonus token plus the main branch's values)."""
+    values = torch.sort(extra_values.detach().double().flatten().cpu(), descending=True).values
+    tau = torch.cat([values.new_zeros(1), torch.cumsum(values, 0)]).add_(forced_tau)
+    steps = sps.steps_per_sec_range(start=forced_tokens, count=values.numel() + 1, num_reqs=num_reqs)
+    return int(torch.argmax(tau * steps.to(tau.dtype)))
 
 
 def argmax_budget(*, survival: torch.Tensor, sps: SpsCurve, min_survival: float = 0.0) -> int:
@@ -234,3 +251,14 @@ def topk_lengths_reference(
     for r, _j, _a in _admissible(survival, min_survival)[: max(budget, 0)]:
         verify_lengths[r] += 1
     return verify_lengths
+
+
+def tree_extra_budget_reference(*, extra_values: Sequence[float], forced_tau: float, forced_tokens: int,
+                                num_reqs: int, sps: SpsFn) -> int:
+    best_n, best_theta, tau = 0, forced_tau * sps(forced_tokens, num_reqs), forced_tau
+    for n, v in enumerate(sorted((float(v) for v in extra_values), reverse=True), 1):
+        tau += v
+        theta = tau * sps(forced_tokens + n, num_reqs)
+        if theta > best_theta:
+            best_n, best_theta = n, theta
+    return best_n

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="target dtype: auto, bf16, fp32")
     ap.add_argument("--drafter", default="shipped+lookup")
     ap.add_argument("--tree", type=int, default=0, help="also run tree verification with this many verify rows")
+    ap.add_argument("--sps-table", default=None, help="with --tree: also run the tree sized by this SPS table "
+                    "(`hspec profile-sps`; engine/tree.py size_trees)")
     ap.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--datasets", default="mtbench", help="comma-separated prompt sets (first turns)")
     ap.add_argument("--limit", type=int, default=4, help="prompts of each set")
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.limit < 1 or args.rounds < 1 or args.batch_size < 1 or args.max_new_tokens < 2 or args.tree < 0:
         ap.error("--limit, --rounds and --batch-size must be >= 1, --max-new-tokens >= 2, --tree >= 0")
+    if args.sps_table and not args.tree:
+        ap.error("--sps-table sizes the tree: give --tree ROWS too")
 
     import torch
 
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 
         engines[f"tree {args.tree}"] = SpeculativeEngine(adapter, load_drafter_spec(args.drafter, adapter),
                                                          tree=TreeSpec(max_rows=args.tree))
+        if args.sps_table:
+            engines[f"tree {args.tree} sized"] = SpeculativeEngine(
+                adapter, load_drafter_spec(args.drafter, adapter),
+                tree=TreeSpec(max_rows=args.tree, sps_table=args.sps_table))
     timers = {name: PhaseTimer() for name in engines}
     totals = {name: defaultdict(float) for name in engines}
     for name, engine in engines.items():
@@ -160,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmachine: {machine}\ntarget: embedded ({dtype}{', row-invariant' if adapter.row_invariant else ''}), "
           f"drafter {args.drafter}, {len(prompts)} prompts of {', '.join(datasets)} x {args.max_new_tokens} tokens x "
           f"{args.rounds} rounds, batch {args.batch_size}\n")
-    head = f"{'engine':<9} {'ms/step':>8} {'draft':>7} {'target':>7} {'host':>6} {'step cost':>9} {'tau':>5} {'speedup':>8}"
+    head = f"{'engine':<14} {'ms/step':>8} {'draft':>7} {'target':>7} {'host':>6} {'step cost':>9} {'tau':>5} {'speedup':>8}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
-        print(f"{r['engine']:<9} {r['ms_per_step']:>8.1f} {r['draft_ms']:>7.1f} {r['target_ms']:>7.1f} "
+        print(f"{r['engine']:<14} {r['ms_per_step']:>8.1f} {r['draft_ms']:>7.1f} {r['target_ms']:>7.1f} "
               f"{r['host_ms']:>6.1f} {r['step_cost']:>9.2f} {r['tau']:>5.2f} {r['speedup']:>7.2f}x")
     set_tau = {name: {d: a / max(n, 1) for d, (a, n) in cells.items()} for name, cells in per_set.items()}
     if len(datasets) > 1:

@@ -58,7 +58,7 @@ def build_engine(args, adapter=None, drafter_spec: str | None = None, tree: int 
     if rows and spec != "none":
         from sglang_hspec.engine.tree import TreeSpec
 
-        tree_spec = TreeSpec(max_rows=rows)
+        tree_spec = TreeSpec(max_rows=rows, sps_table=getattr(args, "sps_table", None))
     return SpeculativeEngine(adapter, drafter, policy=policy, confidence_transform=transform, tree=tree_spec)
 
 

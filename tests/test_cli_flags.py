@@ -72,7 +72,7 @@ def test_fixed_policy_refuses_an_sps_table_instead_of_ignoring_it(notjson, capsy
     assert main(["generate", *PROMPT, "--policy", "fixed", "--sps-table", notjson]) == 2
     assert capsys.readouterr().err.strip() == (
         f"error: the fixed policy verifies whole blocks and does not read an SPS table: drop --sps-table {notjson} "
-        "or use --policy stale / --policy exact")
+        "or use --policy stale / --policy exact (or --tree ROWS, which sizes its trees by the table)")
 
 
 def test_bad_sps_table_and_sts_files_fail_before_the_target_loads(notjson, tmp_path, capsys):

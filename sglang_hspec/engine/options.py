@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, drafter_default: str | None =
     p.add_argument("--tree", type=int, default=0, metavar="ROWS",
                    help="verify a tree of at most ROWS rows per request (the anchor's included), built from the same "
                         "drafter forward from each slot's runners-up and the prompt-lookup branch, instead of the "
-                        "chain (engine/tree.py; docs/tree.md); 0 = the chain. Lossless like the chain")
+                        "chain (engine/tree.py; docs/tree.md); 0 = the chain. Lossless like the chain. With "
+                        "--sps-table, each step keeps only the nodes that raise expected tokens x steps/s")
 
 
 TREE_ROWS_MAX = 64  # verify rows per request of a tree
@@ -64,9 +65,10 @@ def check_engine_flags(args, drafter: str | None) -> None:
         if args.policy != "fixed":
             raise ValueError(f"--tree sizes each step's tree from the confidences itself: it takes --policy fixed, "
                              f"not --policy {args.policy}; drop one of them")
-    if args.policy == "fixed" and args.sps_table is not None:
+    if args.policy == "fixed" and args.sps_table is not None and not tree:
         raise ValueError(f"the fixed policy verifies whole blocks and does not read an SPS table: drop --sps-table "
-                         f"{args.sps_table} or use --policy stale / --policy exact")
+                         f"{args.sps_table} or use --policy stale / --policy exact (or --tree ROWS, which "
+                         "sizes its trees by the table)")
     if args.policy in ("exact", "stale") and builtin:
         raise ValueError(f"--policy {args.policy} plans verify lengths from a confidence head, which the "
                          f"{drafter} drafter has none of: use --policy fixed, or an H-Spec / dspark drafter")

@@ -74,12 +74,15 @@ DEFAULT_TREE_ROWS = 16
 class TreeSpec:
     """max_rows: verify rows per request, the anchor included (>= 1; 1 = plain decoding). max_children:
     children per node. min_value: nodes whose estimated probability of being reached and kept is below it
-    are left out (0 fills max_rows). lookup: add the prompt-lookup branch when the drafter carries one."""
+    are left out (0 fills max_rows). lookup: add the prompt-lookup branch when the drafter carries one.
+    sps_table: an SPS table of the target's verify forwards (`hspec profile-sps`); given, each step keeps of
+    every tree only the nodes that raise expected tokens x steps/s (`size_trees`)."""
 
     max_rows: int = DEFAULT_TREE_ROWS
     max_children: int = 4
     min_value: float = 0.0
     lookup: bool = True
+    sps_table: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -102,6 +105,7 @@ class DraftTree:
     values: list[float]
     kinds: list[str]  # root | main | sibling | lookup
     children: list[list[int]] = field(default_factory=list)
+    forced: int = 1  # nodes 0..forced-1: the root and the main branch, verified whatever the sizing
 
     @classmethod
     def root(cls, anchor: int) -> DraftTree:
@@ -132,6 +136,19 @@ class DraftTree:
 
     def path_tokens(self, path: Sequence[int]) -> list[int]:
         return [self.tokens[i] for i in path]
+
+    def pruned(self, keep: Sequence[int]) -> DraftTree:
+        """The tree of the nodes `keep` (each one's parent kept too), in their order here."""
+        keep = sorted(set(keep) | set(range(self.forced)))
+        new_index = {old: new for new, old in enumerate(keep)}
+        out = DraftTree.root(self.tokens[0])
+        for old in keep[1:]:
+            if self.parents[old] not in new_index:
+                raise ValueError(f"node {old} is kept without its parent {self.parents[old]}")
+            out.add(new_index[self.parents[old]], self.tokens[old], proposal=self.proposals[old],
+                    value=self.values[old], kind=self.kinds[old])
+        out.forced = self.forced
+        return out
 
 
 # ---------------------------------------------------------------- acceptance
@@ -367,6 +384,7 @@ def build_tree(source, b: int, *, anchor: int, sampling: SamplingParams, generat
         push_sibling(u)
         u = c
         logits = expand(u)
+    tree.forced = len(tree)
     if not spliced:
         push_lookup(0, 0)
     while heap and len(tree) < spec.max_rows:
@@ -427,6 +445,25 @@ def build_trees(drafter, ctx: DraftContext, sampling: SamplingParams, generator:
     return trees
 
 
+def size_trees(trees: Sequence[DraftTree], sps) -> list[DraftTree]:
+    """The trees cut to the nodes worth their verify rows (scheduler/planner.py `tree_extra_budget`): each
+    tree's root and main branch stay; of the other nodes, the best by value across all requests, as many
+    as maximise (expected tokens) x (steps/s at the batch's verify rows) on `sps` (an SpsCurve). A node's
+    value never exceeds its parent's and ties go to the earlier node, so the kept nodes form trees. Only
+    point-mass nodes are ever cut, so sampling stays exact (module docstring)."""
+    from sglang_hspec.scheduler.planner import tree_extra_budget
+
+    extras = [(-t.values[i], i, j) for j, t in enumerate(trees) for i in range(t.forced, len(t))]
+    forced_tau = float(sum(sum(t.values[:t.forced]) for t in trees))  # the root's 1.0 is the bonus token
+    forced_tokens = sum(t.forced for t in trees)
+    n = tree_extra_budget(extra_values=torch.tensor([-v for v, _, _ in extras], dtype=torch.float64),
+                          forced_tau=forced_tau, forced_tokens=forced_tokens, num_reqs=len(trees), sps=sps)
+    keep: list[list[int]] = [[] for _ in trees]
+    for _, i, j in sorted(extras)[:n]:
+        keep[j].append(i)
+    return [t.pruned(k) if len(k) + t.forced < len(t) else t for t, k in zip(trees, keep)]
+
+
 # ---------------------------------------------------------------- verify and commit
 
 
@@ -477,16 +514,25 @@ class TreeVerifier:
     draft / plan / verify / rollback."""
 
     def __init__(self, adapter: TargetAdapter, drafter, *, spec: TreeSpec = TreeSpec(),
-                 confidence_transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 confidence_transform: Callable[[torch.Tensor], torch.Tensor] | None = None, sps=None):
+        """sps: an SpsCurve of the target's verify forwards (default: spec.sps_table's); given, each step's
+        trees are cut to the nodes that raise expected tokens x steps/s (`size_trees`), else every tree
+        fills spec.max_rows."""
         tree_drafter_core(drafter)
         adapter.check_layer_ids(list(drafter.target_layer_ids) + list(drafter.kv_layer_ids))
-        self.adapter, self.drafter, self.spec = adapter, drafter, spec
+        if sps is None and spec.sps_table is not None:
+            from sglang_hspec.scheduler.sps import SpsCurve, load_sps_table
+
+            sps = SpsCurve(load_sps_table(spec.sps_table))
+        self.adapter, self.drafter, self.spec, self.sps = adapter, drafter, spec, sps
         self.confidence_transform = confidence_transform or torch.sigmoid
 
     def step(self, ctx: DraftContext, sampling: SamplingParams, generator: torch.Generator | None, *,
              rows: torch.Tensor, max_depths: Sequence[int]) -> tuple[list[DraftTree], TreeStepOutput]:
         trees = build_trees(self.drafter, ctx, sampling, generator, spec=self.spec, max_depths=max_depths,
                             confidence_transform=self.confidence_transform)
+        if self.sps is not None:
+            trees = size_trees(trees, self.sps)
         out = verify_trees(self.adapter, trees, rows=rows, sampling=sampling, generator=generator,
                            hidden_layer_ids=list(self.drafter.target_layer_ids))
         return trees, out

@@ -7,12 +7,13 @@ test_sampling_lossless.py)."""
 
 import pytest
 import torch
+from sglang_hspec.scheduler.sps import SpsCostTable, SpsCurve, save_sps_table
 
 from sglang_hspec.assets.tiny import tiny_target
 from sglang_hspec.core.types import DraftContext, SamplingParams
 from sglang_hspec.engine.drafters import LookupSpliceDrafter, NGramDrafter, NoDrafter
 from sglang_hspec.engine.engine import SpeculativeEngine, generate_tree
-from sglang_hspec.engine.tree import TreeSpec, build_trees
+from sglang_hspec.engine.tree import TreeSpec, build_trees, size_trees
 from sglang_hspec.target.adapter import TargetAdapter
 from tests.engine._drafters import hf_greedy
 from tests.model._tiny import make_drafter
@@ -126,15 +127,77 @@ def test_eos_and_max_new_tokens_as_the_chain_engine(setup):
     assert chain[0].finish_reason == "length" and len(tree[0].output_ids) == 11
 
 
+def curve(steps_per_sec: list[float]) -> SpsCurve:
+    """Probes at 1, 2, 3, ... verify rows."""
+    n = len(steps_per_sec)
+    return SpsCurve(SpsCostTable(sample_batch_tokens=list(range(1, n + 1)), sample_steps_per_sec=steps_per_sec,
+                                 max_batch_tokens=n))
+
+
+def test_sized_trees_keep_the_main_branch_and_the_best_nodes(setup):
+    _, adapter, drafter = setup
+    ctx = context_of(adapter, drafter, PROMPTS)
+    trees = build_trees(drafter, ctx, GREEDY, None, spec=TreeSpec(max_rows=16), max_depths=[5, 5, 2])
+    forced = [t.forced for t in trees]
+    assert forced == [6, 6, 3]  # the root and the main branch (5, 5 and 2 deep)
+    rows = sum(len(t) for t in trees)
+    # every row costs the same up to all of them: nothing cut; a cliff after the forced rows: only they stay
+    assert [len(t) for t in size_trees(trees, curve([100.0] * rows))] == [16, 16, 16]
+    cliff = size_trees(trees, curve([100.0] * sum(forced) + [1.0] * (rows - sum(forced))))
+    assert [len(t) for t in cliff] == forced
+    assert [t.tokens for t in cliff] == [t.tokens[:f] for t, f in zip(trees, forced)]
+    # a slope: tau x SPS peaks at some number of extra nodes, which are the best by value across the rows
+    extras = sorted((-t.values[i], i, j) for j, t in enumerate(trees) for i in range(t.forced, len(t)))
+    slope = [100.0] * sum(forced) + [100.0 / (1 + 0.01 * n) for n in range(1, rows - sum(forced) + 1)]
+    tau = sum(sum(t.values[:t.forced]) for t in trees)
+    theta = [tau * 100.0] + [(tau - sum(v for v, _, _ in extras[:n])) * slope[sum(forced) + n - 1]
+                             for n in range(1, len(extras) + 1)]
+    n = max(range(len(theta)), key=lambda i: (theta[i], -i))
+    assert 0 < n < len(extras)
+    sized = size_trees(trees, curve(slope))
+    assert sum(len(t) for t in sized) == sum(forced) + n
+    for j, (tree, full) in enumerate(zip(sized, trees)):
+        want = sorted(i for _, i, jj in extras[:n] if jj == j)
+        assert [path_tokens(tree, i) for i in range(tree.forced, len(tree))] == [path_tokens(full, i) for i in want]
+        assert all(p < i for i, p in enumerate(tree.parents) if i)
+
+
+def path_tokens(tree, node):
+    """The tokens from the root to `node`: a node's identity across a tree and its cut."""
+    out = []
+    while node:
+        out.append(tree.tokens[node])
+        node = tree.parents[node]
+    return tuple(reversed(out))
+
+
+def test_sized_tree_greedy_equals_plain_decoding(setup, tmp_path):
+    model, adapter, drafter = setup
+    plain = SpeculativeEngine(adapter, NoDrafter()).generate(PROMPTS, GREEDY)
+    table = tmp_path / "sps.json"
+    save_sps_table(SpsCostTable(sample_batch_tokens=[1, 8, 16, 48], sample_steps_per_sec=[100.0, 90.0, 60.0, 20.0],
+                                max_batch_tokens=48), table)
+    for d in (drafter, LookupSpliceDrafter(drafter)):
+        sized = generate_tree(adapter, d, PROMPTS, GREEDY, spec=TreeSpec(max_rows=16, sps_table=str(table)))
+        full = generate_tree(adapter, d, PROMPTS, GREEDY, spec=TreeSpec(max_rows=16))
+        assert [r.output_ids for r in sized] == [r.output_ids for r in plain], d.name
+        # the table made some steps verify fewer rows than the full trees
+        assert sum(map(sum, (r.stats.verify_lengths for r in sized))) < sum(map(sum, (r.stats.verify_lengths
+                                                                                      for r in full)))
+
+
 # ---------------------------------------------------------------- T > 0: the law of plain sampling
 
 SAMPLES = 4000
 
 
-def test_sampled_tree_follows_plain_sampling_law():
+@pytest.mark.parametrize("sized", [False, True], ids=["full", "sized"])
+def test_sampled_tree_follows_plain_sampling_law(sized, tmp_path):
     """Prefix laws m = 1..NUM_TOKENS of the tree engine's outputs against plain sampling's exact law (tiny
     4-token target, random H-Spec drafter with a real Markov head, block 3; 4000 samples, family-wise 1e-3).
-    Tokens 2..4 come from the first step's tree, where a point-mass sibling or a residual draw decides."""
+    Tokens 2..4 come from the first step's tree, where a point-mass sibling or a residual draw decides.
+    sized: an SPS table cuts each step's point-mass nodes by their values (`size_trees`), which depend on the
+    sampled main branch; the law must not move."""
     from tests.engine.test_sampling_lossless import (
         LEVEL,
         NUM_TOKENS,
@@ -149,11 +212,21 @@ def test_sampled_tree_follows_plain_sampling_law():
                          head_dim=8, intermediate_size=32, seed=7)
     params = SamplingParams(temperature=1.0, max_new_tokens=NUM_TOKENS, ignore_eos=True, seed=21)
     law = plain_sampling_law(target, params)
+    table = None
+    if sized:  # the 4000 samples run as one batch: beyond ~4 verify rows a request, rows get dear fast
+        table = tmp_path / "sps.json"
+        save_sps_table(SpsCostTable(sample_batch_tokens=[1, 4 * SAMPLES, 6 * SAMPLES, 8 * SAMPLES],
+                                    sample_steps_per_sec=[100.0, 100.0, 70.0, 40.0], max_batch_tokens=8 * SAMPLES),
+                       table)
     res = generate_tree(TargetAdapter(target), lossless_drafter("hspec", target), [PROMPT] * SAMPLES, params,
-                        spec=TreeSpec(max_rows=8, max_children=3), eos_token_ids=[])
+                        spec=TreeSpec(max_rows=8, max_children=3, sps_table=None if table is None else str(table)),
+                        eos_token_ids=[])
     seqs = [tuple(r.output_ids) for r in res]
     assert all(len(s) == NUM_TOKENS for s in seqs)
     assert sum(1 for r in res if r.stats.accept_lengths[0] > 1) > SAMPLES // 4  # the tree keeps drafts
+    if sized:  # the table did cut, and not down to the main branch alone
+        first_rows = [r.stats.verify_lengths[0] for r in res]
+        assert 3 < sum(first_rows) / SAMPLES < 7, sum(first_rows) / SAMPLES
     for m in range(1, NUM_TOKENS + 1):
         counts: dict = {}
         for s in seqs:

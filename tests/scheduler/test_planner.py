@@ -152,3 +152,32 @@ def test_min_survival_torch_matches_reference(seed):
         for b in range(n * k + 2):
             assert planner.topk_lengths(survival=t, budget=b, min_survival=eps).tolist() == \
                 planner.topk_lengths_reference(survival=surv, budget=b, min_survival=eps)
+
+
+def test_tree_extra_budget_hand_computed():
+    # forced: root + 2 main nodes (3 rows, 1 + 0.9 + 0.5 = 2.4 tokens); extras sorted 0.3, 0.2, 0.05:
+    # Theta = 2.4 * 100 = 240, 2.7 * 90 = 243, 2.9 * 80 = 232, 2.95 * 50 = 147.5 -> 1 extra
+    curve = table([100, 100, 100, 90, 80, 50])
+    kw = dict(forced_tau=2.4, forced_tokens=3, num_reqs=1)
+    assert planner.tree_extra_budget(extra_values=torch.tensor([0.3, 0.05, 0.2]), sps=curve, **kw) == 1
+    assert planner.tree_extra_budget_reference(extra_values=[0.3, 0.05, 0.2], **kw,
+                                               sps=lambda b, n: curve.scalar(batch_tokens=b, num_reqs=n)) == 1
+    # a flat curve admits every extra; a cliff right after the forced rows admits none
+    assert planner.tree_extra_budget(extra_values=torch.tensor([0.3, 0.05, 0.2]), sps=table([100] * 6), **kw) == 3
+    assert planner.tree_extra_budget(extra_values=torch.tensor([0.3, 0.05, 0.2]), sps=table([100, 100, 100, 10]), **kw) == 0
+    assert planner.tree_extra_budget(extra_values=torch.tensor([]), sps=curve, **kw) == 0
+
+
+def test_tree_extra_budget_matches_its_reference_on_random_trees():
+    rng = random.Random(0)
+    for _ in range(200):
+        sps = sorted((rng.uniform(10, 100) for _ in range(rng.randint(2, 40))), reverse=True)
+        curve = table(sps, max_batch_tokens=len(sps) + rng.randint(0, 8))  # beyond the largest: 0 steps/s
+        num_reqs = rng.randint(1, 4)
+        forced_tokens = min(len(sps), num_reqs * rng.randint(1, 4))
+        extras = [rng.random() ** 2 for _ in range(rng.randint(0, 30))]
+        kw = dict(forced_tau=num_reqs + rng.uniform(0, 3), forced_tokens=forced_tokens, num_reqs=num_reqs)
+        got = planner.tree_extra_budget(extra_values=torch.tensor(extras, dtype=torch.float64), sps=curve, **kw)
+        want = planner.tree_extra_budget_reference(extra_values=extras, sps=lambda b, n, c=curve: c.scalar(
+            batch_tokens=b, num_reqs=n), **kw)
+        assert got == want
