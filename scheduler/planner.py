@@ -123,15 +123,21 @@ def budget_choice(*, survival: torch.Tensor, sps: SpsCurve, min_survival: float 
 
 
 def tree_extra_budget(*, extra_values: torch.Tensor, forced_tau: float, forced_tokens: int, num_reqs: int,
-                      sps: SpsCurve) -> int:
+                      sps: SpsCurve, fixed_seconds: float = 0.0) -> int:
     """How many of the trees' optional nodes to verify: the n maximising Theta(n) = (forced_tau + the n
-    largest `extra_values`) x SPS(forced_tokens + n) (first maximum on ties). forced_tokens: the rows every
-    request verifies anyway (its root and main branch), forced_tau: their expected tokens (1 per request
-    for the bonus token plus the main branch's values)."""
+    largest `extra_values`) / (1 / SPS(forced_tokens + n) + fixed_seconds) (first maximum on ties).
+    forced_tokens: the rows every request verifies anyway (its root and main branch), forced_tau: their
+    expected tokens (1 per request for the bonus token plus the main branch's values); fixed_seconds: what a
+    step costs besides its verify whatever the rows (the drafter's forward: the SPS table's draft column),
+    which makes an extra row relatively cheaper."""
+    if fixed_seconds < 0:
+        raise ValueError(f"fixed_seconds must be >= 0, got {fixed_seconds}")
     values = torch.sort(extra_values.detach().double().flatten().cpu(), descending=True).values
     tau = torch.cat([values.new_zeros(1), torch.cumsum(values, 0)]).add_(forced_tau)
-    steps = sps.steps_per_sec_range(start=forced_tokens, count=values.numel() + 1, num_reqs=num_reqs)
-    return int(torch.argmax(tau * steps.to(tau.dtype)))
+    steps = sps.steps_per_sec_range(start=forced_tokens, count=values.numel() + 1, num_reqs=num_reqs).to(tau.dtype)
+    if fixed_seconds:
+        steps = torch.where(steps > 0, 1.0 / (1.0 / steps + fixed_seconds), steps)
+    return int(torch.argmax(tau * steps))
 
 
 def argmax_budget(*, survival: torch.Tensor, sps: SpsCurve, min_survival: float = 0.0) -> int:
@@ -254,11 +260,15 @@ def topk_lengths_reference(
 
 
 def tree_extra_budget_reference(*, extra_values: Sequence[float], forced_tau: float, forced_tokens: int,
-                                num_reqs: int, sps: SpsFn) -> int:
-    best_n, best_theta, tau = 0, forced_tau * sps(forced_tokens, num_reqs), forced_tau
+                                num_reqs: int, sps: SpsFn, fixed_seconds: float = 0.0) -> int:
+    def rate(tokens: int) -> float:
+        steps = sps(tokens, num_reqs)
+        return 1.0 / (1.0 / steps + fixed_seconds) if steps > 0 else 0.0
+
+    best_n, best_theta, tau = 0, forced_tau * rate(forced_tokens), forced_tau
     for n, v in enumerate(sorted((float(v) for v in extra_values), reverse=True), 1):
         tau += v
-        theta = tau * sps(forced_tokens + n, num_reqs)
+        theta = tau * rate(forced_tokens + n)
         if theta > best_theta:
             best_n, best_theta = n, theta
     return best_n

@@ -2,7 +2,7 @@
 of them aborted mid-generation, outputs of the unaborted ones compared with a non-speculative server of the
 same target and dtype (greedy). Prints the machine, then writes (atomically) and prints a JSON summary:
 requests, completed, aborted, failed, mismatched, KV tokens leaked (/v1/loads after draining), server RSS
-at start and end.
+at start and end, every minute between, and its growth over the second half (after the warm-up).
 
 --model tiny (default): the tiny Qwen3 target with a bigram H-Spec drafter, KV pool 1024 tokens.
 --model embedded: what users run (scripts/bench_serve_cpu.sh's HSPEC+auto+lookup): the embedded

@@ -239,24 +239,46 @@ class _HSpecSource:
         self.vocab = model.config.target.vocab_size
         self._nodes: dict[tuple[int, int, int], tuple[NodeDistribution, torch.Tensor]] = {}
 
-    @torch.no_grad()
     def prefetch(self, b: int, slot: int, prevs: Sequence[int]) -> None:
         """Compute and keep the nodes (b, slot, prev) for every prev not yet computed, in one head call."""
-        todo = list(dict.fromkeys(p for p in prevs if (b, slot, p) not in self._nodes))
+        self.prefetch_keys([(b, slot, p) for p in prevs])
+
+    @torch.no_grad()
+    def prefetch_keys(self, keys: Sequence[tuple[int, int, int]]) -> None:
+        """Compute and keep the nodes (row, slot, prev) not yet computed, in one head call for all of them."""
+        todo = [k for k in dict.fromkeys(keys) if k not in self._nodes]
         if not todo:
             return
-        n = len(todo)
-        prev_t = torch.tensor(todo, device=self.h.device)
-        out = self.model.head_outputs(self.h[b, slot].expand(n, -1), prev_t, self.base[b, slot].expand(n, -1))
+        rows = torch.tensor([k[0] for k in todo], device=self.h.device)
+        slots = torch.tensor([k[1] for k in todo], device=self.h.device)
+        prev_t = torch.tensor([k[2] for k in todo], device=self.h.device)
+        out = self.model.head_outputs(self.h[rows, slots], prev_t, self.base[rows, slots])
         probs = torch.softmax(out.logits.float(), -1)
         top_p, top_i = probs.topk(min(self.top, probs.shape[-1]), dim=-1)
         ids, top_p = self.model.d2t[top_i].tolist(), top_p.tolist()
         if out.confidence_logits is not None:
-            confs = self.confidence.many(slot, out.confidence_logits)
+            confs = self.confidence.many([k[1] for k in todo], out.confidence_logits)
         else:
             confs = [row[0] for row in top_p]
-        for i, prev in enumerate(todo):
-            self._nodes[(b, slot, prev)] = (NodeDistribution(ids[i], top_p[i], confs[i]), out.logits[i])
+        for i, key in enumerate(todo):
+            self._nodes[key] = (NodeDistribution(ids[i], top_p[i], confs[i]), out.logits[i])
+
+    def prefetch_greedy_chains(self, anchors: Sequence[int], max_depths: Sequence[int]) -> None:
+        """Greedy: every row's drafter chain and the candidates beside it (its likely siblings), one head call
+        per depth for all rows; the trees are then built mostly from these (the lookup's nodes and the
+        siblings' own continuations are computed as they come)."""
+        prevs = {b: [int(a)] for b, a in enumerate(anchors)}  # tokens at depth d whose children are wanted
+        for d in range(self.block_size):
+            rows = [b for b in prevs if d < max_depths[b]]
+            if not rows:
+                return
+            self.prefetch_keys([(b, d, p) for b in rows for p in prevs[b]])
+            nxt = {}
+            for b in rows:
+                dist, logits = self._nodes[(b, d, prevs[b][0])]
+                main = int(self.model.d2t[logits.argmax()])  # the chain's token, as main_child takes it
+                nxt[b] = [main] + [i for i in dist.ids if i != main]
+            prevs = nxt
 
     def node(self, b: int, slot: int, prev: int, *, siblings: Sequence[int] = ()) -> tuple[NodeDistribution, torch.Tensor]:
         """The node (b, slot, prev); `siblings`: other previous tokens likely to be asked for at this slot
@@ -303,18 +325,21 @@ class _BlockSource:
 
 class SlotConfidence:
     """(slot, raw confidence logit) -> probability through a per-slot transform of [B, block_size] logits
-    (sigmoid, or STS's per-slot temperatures); `many` maps a tensor of one slot's logits in one call."""
+    (sigmoid, or STS's per-slot temperatures); `many` maps many (slot, logit) pairs in one call."""
 
     def __init__(self, transform: Callable[[torch.Tensor], torch.Tensor], block_size: int):
         self.transform, self.block_size = transform, block_size
 
-    def many(self, slot: int, logits: torch.Tensor) -> list[float]:
-        rows = torch.zeros((logits.numel(), self.block_size))
-        rows[:, slot] = logits.reshape(-1).float().cpu()
-        return self.transform(rows)[:, slot].tolist()
+    def many(self, slots: Sequence[int], logits: torch.Tensor) -> list[float]:
+        """The probabilities of logits [n], entry i read at slot slots[i]."""
+        n = logits.numel()
+        cols = torch.tensor(list(slots), dtype=torch.long)
+        rows = torch.zeros((n, self.block_size))
+        rows[torch.arange(n), cols] = logits.reshape(-1).float().cpu()
+        return self.transform(rows)[torch.arange(n), cols].tolist()
 
     def __call__(self, slot: int, logit: float) -> float:
-        return self.many(slot, torch.tensor([logit]))[0]
+        return self.many([slot], torch.tensor([logit]))[0]
 
 
 # ---------------------------------------------------------------- building
@@ -437,6 +462,8 @@ def build_trees(drafter, ctx: DraftContext, sampling: SamplingParams, generator:
         source = _BlockSource(core.propose(ctx, sampling, generator), confidence=conf, top=top, block_size=block_size)
     lookup = lookup_of(drafter) if spec.lookup else None
     anchors = ctx.anchor_tokens.tolist()
+    if sampling.greedy and isinstance(source, _HSpecSource):
+        source.prefetch_greedy_chains(anchors, [min(int(d), block_size) for d in max_depths])
     trees = []
     for b, anchor in enumerate(anchors):
         cont = lookup.continuation(list(ctx.token_history[b]) + [anchor]) if lookup is not None else []
@@ -448,7 +475,8 @@ def build_trees(drafter, ctx: DraftContext, sampling: SamplingParams, generator:
 def size_trees(trees: Sequence[DraftTree], sps) -> list[DraftTree]:
     """The trees cut to the nodes worth their verify rows (scheduler/planner.py `tree_extra_budget`): each
     tree's root and main branch stay; of the other nodes, the best by value across all requests, as many
-    as maximise (expected tokens) x (steps/s at the batch's verify rows) on `sps` (an SpsCurve). A node's
+    as maximise (expected tokens) / (step seconds: the verify's at the batch's rows on `sps`, an SpsCurve,
+    plus the drafter's forward where the table has its column). A node's
     value never exceeds its parent's and ties go to the earlier node, so the kept nodes form trees. Only
     point-mass nodes are ever cut, so sampling stays exact (module docstring)."""
     from sglang_hspec.scheduler.planner import tree_extra_budget
@@ -456,8 +484,10 @@ def size_trees(trees: Sequence[DraftTree], sps) -> list[DraftTree]:
     extras = [(-t.values[i], i, j) for j, t in enumerate(trees) for i in range(t.forced, len(t))]
     forced_tau = float(sum(sum(t.values[:t.forced]) for t in trees))  # the root's 1.0 is the bonus token
     forced_tokens = sum(t.forced for t in trees)
+    draft = getattr(sps.table, "draft_lookup", None)  # the drafter's forward, paid whatever the rows
     n = tree_extra_budget(extra_values=torch.tensor([-v for v, _, _ in extras], dtype=torch.float64),
-                          forced_tau=forced_tau, forced_tokens=forced_tokens, num_reqs=len(trees), sps=sps)
+                          forced_tau=forced_tau, forced_tokens=forced_tokens, num_reqs=len(trees), sps=sps,
+                          fixed_seconds=draft(len(trees)) if draft is not None else 0.0)
     keep: list[list[int]] = [[] for _ in trees]
     for _, i, j in sorted(extras)[:n]:
         keep[j].append(i)

@@ -166,6 +166,10 @@ def test_tree_extra_budget_hand_computed():
     assert planner.tree_extra_budget(extra_values=torch.tensor([0.3, 0.05, 0.2]), sps=table([100] * 6), **kw) == 3
     assert planner.tree_extra_budget(extra_values=torch.tensor([0.3, 0.05, 0.2]), sps=table([100, 100, 100, 10]), **kw) == 0
     assert planner.tree_extra_budget(extra_values=torch.tensor([]), sps=curve, **kw) == 0
+    # a fixed 10 ms a step besides the verify: step 20, 21.1, 22.5, 30 ms for n = 0..3; Theta = 2.4 / 0.02 = 120,
+    # 2.7 / 0.02111 = 127.9, 2.9 / 0.0225 = 128.9, 2.95 / 0.03 = 98.3 -> 2 extras (without it: 1)
+    assert planner.tree_extra_budget(extra_values=torch.tensor([0.3, 0.05, 0.2]), sps=curve, fixed_seconds=0.01,
+                                     **kw) == 2
 
 
 def test_tree_extra_budget_matches_its_reference_on_random_trees():
@@ -176,7 +180,8 @@ def test_tree_extra_budget_matches_its_reference_on_random_trees():
         num_reqs = rng.randint(1, 4)
         forced_tokens = min(len(sps), num_reqs * rng.randint(1, 4))
         extras = [rng.random() ** 2 for _ in range(rng.randint(0, 30))]
-        kw = dict(forced_tau=num_reqs + rng.uniform(0, 3), forced_tokens=forced_tokens, num_reqs=num_reqs)
+        kw = dict(forced_tau=num_reqs + rng.uniform(0, 3), forced_tokens=forced_tokens, num_reqs=num_reqs,
+                  fixed_seconds=rng.choice([0.0, rng.uniform(0, 0.05)]))
         got = planner.tree_extra_budget(extra_values=torch.tensor(extras, dtype=torch.float64), sps=curve, **kw)
         want = planner.tree_extra_budget_reference(extra_values=extras, sps=lambda b, n, c=curve: c.scalar(
             batch_tokens=b, num_reqs=n), **kw)

@@ -109,16 +109,30 @@ def overload(url: str, prompts: list[str], lengths: list[int], *, workers: int) 
 
 def soak(url: str, *, prompts: list[str], reference: list[list[int]] | None, duration_s: float,
          concurrency: int, max_new_tokens: tuple[int, int], abort_fraction: float, seed: int,
-         server_pid: int | None = None, max_requests: int = 100_000) -> dict:
+         server_pid: int | None = None, max_requests: int = 100_000, rss_every_s: float = 60.0) -> dict:
     """Random requests (prompt index, length) for `duration_s` seconds with `concurrency` in flight; each
     is aborted mid-generation through /abort_request with probability `abort_fraction`. Unaborted outputs
     are checked against `reference[prompt index][:length]` when given (greedy: every length is a prefix
-    of the longest continuation). Bounded: stops after `duration_s` or `max_requests`."""
+    of the longest continuation). Bounded: stops after `duration_s` or `max_requests`. With `server_pid`,
+    the server's RSS at the start and end and every `rss_every_s` seconds between (`rss_mib_series`,
+    [seconds, MiB]), and its growth over the second half (`rss_second_half_pct`: warm-up is over by then,
+    so a leak shows there)."""
     rng = random.Random(seed)
     lock = threading.Lock()
     stats = {"requests": 0, "completed": 0, "aborted": 0, "failed": 0, "mismatched": 0, "errors": []}
     deadline = time.monotonic() + duration_s
     rss_start = rss_bytes(server_pid) if server_pid else None
+    start = time.monotonic()
+    series: list[list[float]] = []
+    stop_sampling = threading.Event()
+
+    def sample_rss():
+        while not stop_sampling.wait(rss_every_s):
+            series.append([round(time.monotonic() - start, 1), round(rss_bytes(server_pid) / 2**20, 1)])
+
+    sampler = threading.Thread(target=sample_rss, daemon=True) if server_pid else None
+    if sampler is not None:
+        sampler.start()
 
     def worker(worker_id: int):
         local = random.Random(rng.random())
@@ -156,14 +170,32 @@ def soak(url: str, *, prompts: list[str], reference: list[list[int]] | None, dur
         t.start()
     for t in threads:
         t.join()
+    if sampler is not None:
+        stop_sampling.set()
+        sampler.join()
     after = wait_drained(url)
     stats["kv_tokens_leaked"] = after["num_used_tokens"]
     stats["left_running"] = after["num_running_reqs"] + after["num_waiting_reqs"]
     if server_pid:
         stats["rss_start_mib"] = round(rss_start / 2**20, 1)
         stats["rss_end_mib"] = round(rss_bytes(server_pid) / 2**20, 1)
+        series.append([round(time.monotonic() - start, 1), stats["rss_end_mib"]])
+        stats["rss_mib_series"] = series
+        stats["rss_second_half_pct"] = second_half_growth_pct(series)
     stats["errors"] = stats["errors"][:20]
     return stats
+
+
+def second_half_growth_pct(series: list[list[float]]) -> float | None:
+    """Growth in % from the first sample at or after half the run to the last sample ([seconds, MiB] pairs);
+    None with fewer than two samples in that half."""
+    if not series:
+        return None
+    half = series[-1][0] / 2
+    later = [mib for t, mib in series if t >= half]
+    if len(later) < 2:
+        return None
+    return round(100.0 * (later[-1] - later[0]) / later[0], 2)
 
 
 def _abort(url: str, rid: str) -> None:

@@ -51,9 +51,22 @@ def test_short_soak_with_aborts_leaks_nothing(loaded):
 
     srv = loaded["server"]
     stats = load.soak(srv.url, prompts=loaded["prompts"], reference=loaded["golden"], duration_s=40, concurrency=6,
-                      max_new_tokens=(4, 64), abort_fraction=0.1, seed=0, server_pid=srv.proc.pid)
+                      max_new_tokens=(4, 64), abort_fraction=0.1, seed=0, server_pid=srv.proc.pid, rss_every_s=8)
     print(stats)
     assert stats["failed"] == 0 and stats["mismatched"] == 0, stats["errors"]
     assert stats["completed"] >= 10 and stats["aborted"] + stats["completed"] <= stats["requests"]
     assert stats["kv_tokens_leaked"] == 0 and stats["left_running"] == 0, stats
     assert "Traceback" not in srv.serving_log()
+    # RSS sampled every 8 s over the 40 s, plus the end: its second half's growth is reported
+    assert len(stats["rss_mib_series"]) >= 5 and stats["rss_mib_series"][-1][1] == stats["rss_end_mib"]
+    assert stats["rss_second_half_pct"] == load.second_half_growth_pct(stats["rss_mib_series"])
+    assert abs(stats["rss_second_half_pct"]) < 10, stats["rss_mib_series"]
+
+
+def test_second_half_growth_is_read_after_the_warm_up():
+    from sglang_cpu import load
+
+    # a 240 s run: the warm-up jump (100 -> 110 MiB) falls in the first half; 110 -> 115.5 is +5 %
+    assert load.second_half_growth_pct([[60, 100.0], [120, 110.0], [180, 112.0], [240, 115.5]]) == 5.0
+    assert load.second_half_growth_pct([[60, 100.0], [240, 130.0]]) is None  # one sample in the second half
+    assert load.second_half_growth_pct([]) is None
