@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -65,13 +64,6 @@ from sglang_hspec.core.sampling import sample_from, sampling_probs
 from sglang_hspec.core.types import DraftContext, SamplingParams
 from sglang_hspec.engine.drafters import LOOKUP_CONFIDENCE, LookupSpliceDrafter, PromptLookup
 from sglang_hspec.target.adapter import TargetAdapter
-
-# a tree node's ancestors sit among other nodes' (masked) keys, not next to each other as in a decode, so its
-# attention sums run in another order: measured on the embedded target, a deep lookup-branch node's layer-22
-# keys differed from a decode's by one bf16 step, and 1 of 8 `make demo` outputs moved at a 2-step near-tie
-HALF_PRECISION_NOTE = ("note: tree verification in {dtype} may differ from plain decoding where the target's top two "
-                       "logits are within a few rounding steps (a tree node's attention reads its ancestors' keys "
-                       "out of line); the chain keeps the row-invariant identity, --dtype fp32 is exact (docs/tree.md)")
 
 # verify rows per request by default: on an AMX Xeon a bf16 verify of 16 rows costs 82.5 ms against 74.2 ms
 # for the chain's 8 (1 row: 65.8 ms), so the 8 extra rows cost about one eighth of a step
@@ -564,8 +556,6 @@ class TreeVerifier:
             sps = SpsCurve(load_sps_table(spec.sps_table))
         self.adapter, self.drafter, self.spec, self.sps = adapter, drafter, spec, sps
         self.confidence_transform = confidence_transform or torch.sigmoid
-        if getattr(adapter, "dtype", torch.float32) in (torch.bfloat16, torch.float16):
-            print(HALF_PRECISION_NOTE.format(dtype=str(adapter.dtype).replace("torch.", "")), file=sys.stderr)
 
     def step(self, ctx: DraftContext, sampling: SamplingParams, generator: torch.Generator | None, *,
              rows: torch.Tensor, max_depths: Sequence[int]) -> tuple[list[DraftTree], TreeStepOutput]:

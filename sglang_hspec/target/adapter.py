@@ -40,6 +40,49 @@ BATCH_INVARIANT_ATTENTION = "hspec_batch_invariant"
 PREFILL_FORWARD_TOKENS = 1024
 # KV storage is allocated in whole multiples of this many tokens (TargetAdapter.reset)
 KV_CAPACITY_GRANULE = 64
+
+
+@dataclass
+class TreeKeyLayout:
+    """Each tree node's keys in line, as a one-token decode at its position reads them: index [B, M, T] into
+    the forward's key time axis (the row's committed prefix, then the node's ancestors and itself in depth
+    order), valid [B, M, T] (False past them). Set by `TargetAdapter.extend_tree` on a row-invariant half-
+    precision target for the length of its forward, read by target/row_invariant.py's attention."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    # [B, M]: nodes whose ancestors do not already sit in line at time prefix + 0, 1, ... (the chain from the
+    # root at node indices 0, 1, 2, ... does; its rows in the tree's own layout are a verify's rows)
+    gathered: torch.Tensor
+    gathered_rows: torch.Tensor  # gathered.nonzero(), once per forward rather than once per layer
+    gathered_nodes: torch.Tensor
+
+
+TREE_KEY_LAYOUT: list[TreeKeyLayout] = []  # the active layout (at most one), set around a tree forward
+
+
+def tree_key_layout(parents: torch.Tensor, depth: torch.Tensor, start: torch.Tensor) -> TreeKeyLayout:
+    """TreeKeyLayout of trees parents / depth [B, M] whose rows' prefixes hold `start` [B] keys and whose node
+    i sits at time index start + i: node i's line is [0, start) then start + (its ancestor at depth 0, 1, ...,
+    itself)."""
+    b, m = parents.shape
+    top = int(depth.max()) + 1 if m else 1
+    at_depth = torch.zeros((b, m, top), dtype=torch.long, device=parents.device)  # ancestor node per depth
+    batch = torch.arange(b, device=parents.device)
+    for i in range(m):
+        at_depth[:, i] = at_depth[batch, parents[:, i].clamp_min(0)]
+        at_depth[batch, i, depth[:, i]] = i
+    width = int(start.max()) + top if b else top
+    j = torch.arange(width, device=parents.device)[None, None, :]
+    s = start[:, None, None]
+    k = (j - s).clamp(0, top - 1)
+    index = torch.where(j < s, j, s + at_depth.gather(2, k.expand(b, m, width)))
+    valid = j <= s + depth[:, :, None]
+    levels = torch.arange(top, device=parents.device)
+    in_line = ((at_depth == levels) | (levels > depth[:, :, None])).all(-1)
+    rows, nodes = (~in_line).nonzero(as_tuple=True)
+    return TreeKeyLayout(index=torch.where(valid, index, torch.zeros_like(index)), valid=valid, gathered=~in_line,
+                         gathered_rows=rows, gathered_nodes=nodes)
 _QUERY_CHUNK = 8  # queries per chunk: bounds the [chunk, keys, head_dim] products; rows are independent
 
 
@@ -530,12 +573,17 @@ class TargetAdapter:
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         cache._rows, cache._write_index, cache._read_len, cache._writes = rows, write_index, end, 0
         cache._row_span = consecutive_span(rows)
+        in_line = self.row_invariant and self.dtype in (torch.bfloat16, torch.float16)
+        if in_line:  # half precision: each node's attention reads its keys in a decode's order (TreeKeyLayout)
+            TREE_KEY_LAYOUT.append(tree_key_layout(parents, depth, start))
         try:
             with self._capture_hidden(hidden_layer_ids) as captured:
                 out = call_with_cache(self.model, cache, cache_arg=self._cache_arg, input_ids=tokens,
                                       attention_mask=mask[:, None], position_ids=positions)
         finally:
             cache._rows = cache._write_index = cache._row_span = None
+            if in_line:
+                TREE_KEY_LAYOUT.pop()
         if cache._writes != self.num_layers:
             raise RuntimeError(
                 f"the target wrote {cache._writes} of its {self.num_layers} layers' K/V into the ragged cache: "

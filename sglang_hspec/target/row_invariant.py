@@ -27,7 +27,9 @@ from torch import nn
 
 from sglang_hspec.target.adapter import (
     BATCH_INVARIANT_ATTENTION,
+    TREE_KEY_LAYOUT,
     TargetAdapter,
+    TreeKeyLayout,
     _register_batch_invariant_attention,
     batch_invariant_attention,
     cancelling_inputs,
@@ -69,6 +71,49 @@ def gemm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return out.view(b, kv_heads, groups, length, d).reshape(b, h, length, d).transpose(1, 2)
 
 
+def tree_gemm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, layout: TreeKeyLayout, *,
+                        scaling: float | None) -> torch.Tensor:
+    """`gemm_attention` for a tree forward (TargetAdapter.extend_tree): query [B, H, M, D] (node i of row b
+    at [b, :, i]), key / value [B, kv, T, D] with node i at time index prefix + i, the tree's mask. A node
+    must attend as a one-token decode at its position does. The chain from the root (nodes 0, 1, 2, ... at
+    depths 0, 1, 2, ...) reads its keys in line in the tree's own layout, as a verify's rows do. Any other
+    node's ancestors sit among other nodes' masked keys there, and its softmax and P @ V sums would run in
+    another order and round otherwise in bf16. For those nodes (`layout.gathered`) the scores (one GEMM row
+    each, the bits a decode's row gets) are gathered in line (the prefix, then the ancestors and the node),
+    and so are the values the probabilities weigh. Returns [B, M, H, D]."""
+    b, h, m, d = query.shape
+    kv = key.shape[1]
+    groups = h // kv
+    rows = query.reshape(b, kv, groups * m, d)
+    scores = torch.matmul(rows, key.transpose(-1, -2)).float().mul_(d ** -0.5 if scaling is None else scaling)
+    b_sel, i_sel = layout.gathered_rows, layout.gathered_nodes
+    line_out = None
+    if b_sel.numel():
+        index, valid = layout.index[b_sel, i_sel], layout.valid[b_sel, i_sel]  # [n, width]
+        n, width = index.shape
+        line = scores.view(b, kv, groups, m, -1)[b_sel, :, :, i_sel]  # [n, kv, groups, T]
+        line = line.gather(-1, index[:, None, None, :].expand(n, kv, groups, width))
+        probs = torch.softmax(line.masked_fill_(~valid[:, None, None, :], float("-inf")), dim=-1).to(value.dtype)
+        if b == 1:  # one gather of every node's line
+            values = value[0].index_select(1, index.reshape(-1)).view(kv, n, width, d).transpose(0, 1)
+        else:
+            values = value.transpose(1, 2)[b_sel[:, None], index].permute(0, 2, 1, 3)  # [n, kv, width, D]
+        line_out = torch.matmul(probs, values).reshape(n, h, d)  # [n, kv, groups, D]: head = kv * groups + g
+    if attention_mask is not None:
+        m_ = attention_mask[..., :scores.shape[-1]]
+        by_group = scores.view(b, kv, groups, m, -1)
+        if m_.dtype == torch.bool:
+            by_group.masked_fill_(~m_[:, :, None], float("-inf"))
+        else:
+            by_group.add_(m_[:, :, None])
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+    out = out.view(b, kv, groups, m, d).reshape(b, h, m, d).transpose(1, 2).contiguous()
+    if line_out is not None:
+        out[b_sel, i_sel] = line_out
+    return out
+
+
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs):
@@ -86,6 +131,8 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
                              "sinks or sliding window): load the target with batch_invariant='off'")
         if dropout:
             raise ValueError("row-invariant attention is an inference mode: dropout must be 0")
+        if TREE_KEY_LAYOUT and TREE_KEY_LAYOUT[-1].index.shape[:2] == (query.shape[0], query.shape[2]):
+            return tree_gemm_attention(query, key, value, attention_mask, TREE_KEY_LAYOUT[-1], scaling=scaling), None
         causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
         return gemm_attention(query, key, value, attention_mask, scaling=scaling, is_causal=causal), None
     return batch_invariant_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,

@@ -183,3 +183,45 @@ def test_embedded_bf16_greedy_speculation_is_token_identical_where_the_machine_a
     assert sum(sum(r.stats.accept_lengths) - r.stats.num_steps for r in spec) > 0
     cmp = compare_greedy(prompts, [r.output_ids for r in plain], [r.output_ids for r in spec])
     assert cmp.exact, cmp.label()
+
+
+@pytest.mark.slow
+def test_embedded_bf16_tree_nodes_read_their_keys_as_a_decode_does(embedded_dir):
+    """A 16-node tree over a cache built by plain decoding (MT-Bench prompt 6 + 2 decoded tokens, the tree of a
+    `make demo` step: the drafter's chain, a 7-deep lookup branch under the root, one more node under it):
+    every node's K/V in every layer equals what decoding its root-to-node path one token at a time writes, bit
+    for bit. Read in the tree's own layout (ancestors among masked keys) the lookup branch's depth-4 node's
+    layer-22 keys came out one bf16 step away, which moved a `make demo` output; `tree_gemm_attention` reads them
+    in line."""
+    from sglang_hspec.assets.prompts import chat_input_ids, load_prompts
+    from sglang_hspec.target.adapter import linear_shapes
+    from sglang_hspec.target.loading import load_target
+
+    adapter = load_target("embedded", dtype="bf16", batch_invariant="off")
+    if "varies" in ri.linear_row_modes(linear_shapes(adapter.model), dtype=torch.bfloat16).values():
+        pytest.skip("this CPU's bf16 GEMM gives rows other bits between row counts: no padding helps here")
+    assert ri.make_row_invariant(adapter)
+    prompt = chat_input_ids(adapter.tokenizer, load_prompts("mtbench", limit=8)[6].messages(0))
+    decoded = [504, 1573]  # plain decoding's first two tokens
+    tokens = [11268, 2240, 436, 253, 719, 253, 719, 253, 2291, 418, 260, 1112, 282, 260, 7280, 253]
+    parents = [-1, 0, 1, 2, 3, 4, 5, 6, 0, 8, 9, 10, 11, 12, 13, 9]
+
+    def decode_from_prompt(extra):
+        adapter.reset(1, capacity=len(prompt) + 32)
+        adapter.prefill([prompt])
+        for t in decoded + extra:
+            adapter.extend(torch.tensor([[t]]))
+
+    decode_from_prompt([])
+    s = int(adapter.cache.lengths[0])
+    adapter.extend_tree(torch.tensor([tokens]), parents=torch.tensor([parents]))
+    tree = [(layer.keys[0, :, s:s + 16].clone(), layer.values[0, :, s:s + 16].clone()) for layer in adapter.cache.layers]
+    for node in range(16):
+        path = [node]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        decode_from_prompt([tokens[i] for i in path])
+        at = s + len(path) - 1
+        for lid, layer in enumerate(adapter.cache.layers):
+            assert torch.equal(tree[lid][0][:, node], layer.keys[0, :, at]), (node, lid)
+            assert torch.equal(tree[lid][1][:, node], layer.values[0, :, at]), (node, lid)

@@ -124,3 +124,20 @@ def test_bad_trees_and_paths_are_refused():
     adapter.extend_tree(torch.tensor([[1, 2, 3]]), parents=torch.tensor([[-1, 0, 0]]))
     with pytest.raises(ValueError, match="start at the root"):
         adapter.commit_path(torch.tensor([[1, 2]]), path_lengths=torch.tensor([2]))
+
+
+def test_tree_key_layout_lines_up_each_nodes_keys_as_a_decode_reads_them():
+    from sglang_hspec.target.adapter import tree_key_layout
+
+    # one row, 3 prefix keys; nodes 0 (root), 1 and 2 under it, 3 under 2, written at time 3 + node
+    parents = torch.tensor([[-1, 0, 0, 2]])
+    depth = torch.tensor([[0, 1, 1, 2]])
+    layout = tree_key_layout(parents, depth, torch.tensor([3]))
+    assert layout.index.tolist() == [[[0, 1, 2, 3, 0, 0], [0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 5, 0], [0, 1, 2, 3, 5, 6]]]
+    assert layout.valid.sum(-1).tolist() == [[4, 5, 5, 6]]  # the prefix, then the ancestors and the node itself
+    # rows with other prefixes: each node's line ends where its own row's keys do
+    two = tree_key_layout(torch.tensor([[-1, 0], [-1, 0]]), torch.tensor([[0, 1], [0, 1]]), torch.tensor([1, 3]))
+    assert two.index.tolist() == [[[0, 1, 0, 0, 0], [0, 1, 2, 0, 0]], [[0, 1, 2, 3, 0], [0, 1, 2, 3, 4]]]
+    assert two.valid.sum(-1).tolist() == [[2, 3], [4, 5]]
+    # only nodes off the root's chain (0, 1, 2, ... at depths 0, 1, 2, ...) are gathered
+    assert layout.gathered.tolist() == [[False, False, True, True]]
