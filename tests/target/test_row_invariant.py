@@ -225,3 +225,45 @@ def test_embedded_bf16_tree_nodes_read_their_keys_as_a_decode_does(embedded_dir)
         for lid, layer in enumerate(adapter.cache.layers):
             assert torch.equal(tree[lid][0][:, node], layer.keys[0, :, at]), (node, lid)
             assert torch.equal(tree[lid][1][:, node], layer.values[0, :, at]), (node, lid)
+
+
+def test_tree_gemm_attention_gathers_each_off_chain_node_as_a_decode_reads_its_keys():
+    """Random bf16 queries, keys and values, two trees over prefixes of 100 and 130 keys: every node's output
+    equals `gemm_attention` of that node alone over its keys in line (a decode's layout, no mask), bit for bit,
+    and a row's outputs do not depend on the other row of the batch."""
+    from sglang_hspec.target.adapter import tree_key_layout
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, m = 9, 3, 64, 16
+    parents = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6, 0, 8, 9, 10, 11, 12, 13, 9],
+                            [-1, 0, 0, 2, 2, 1, 5, 6, 7, 8, 3, 3, 0, 12, 13, 14]])
+    depth = torch.zeros_like(parents)
+    for i in range(1, m):
+        depth[:, i] = depth[torch.arange(2), parents[:, i]] + 1
+    start = torch.tensor([100, 130])
+    t = 130 + m
+    q = (2 * torch.randn(2, heads, m, dim)).bfloat16()
+    k = (2 * torch.randn(2, kv_heads, t, dim)).bfloat16()
+    v = torch.randn(2, kv_heads, t, dim).bfloat16()
+    layout = tree_key_layout(parents, depth, start)
+    allowed = torch.zeros(2, 1, m, t, dtype=torch.bool)
+    for b in range(2):
+        allowed[b, :, :, :int(start[b])] = True
+        for i in range(m):
+            node = i
+            while node >= 0:
+                allowed[b, 0, i, int(start[b]) + node] = True
+                node = int(parents[b, node])
+    out = ri.tree_gemm_attention(q, k, v, allowed, layout, scaling=None)
+    same = {}
+    for b in range(2):
+        for i in range(m):
+            line = layout.index[b, i][layout.valid[b, i]]
+            decode = ri.gemm_attention(q[b:b + 1, :, i:i + 1], k[b:b + 1, :, line], v[b:b + 1, :, line], None,
+                                       scaling=None, is_causal=False)
+            same[b, i] = torch.equal(out[b, i], decode[0, 0])
+    # the chain's nodes run plain gemm_attention, a verify's rows: equal to decodes only where the CPU's bf16
+    # GEMM is row-invariant (the condition make_row_invariant checks before this path is ever used)
+    if not all(same[b, i] for b in range(2) for i in range(m) if not layout.gathered[b, i]):
+        pytest.skip("this CPU's bf16 GEMM gives a verify row other bits than a decode: the path is not used here")
+    assert all(same[b, i] for b in range(2) for i in range(m) if layout.gathered[b, i]), same
