@@ -47,6 +47,16 @@ def tiny_checkpoints(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="session")
+def tiny_hspec_pair(tmp_path_factory):
+    """(tiny Qwen3 target, a random H-Spec drafter for it): the parallelism tests' checkpoints (built once)."""
+    from sglang_cpu import builders
+
+    root = tmp_path_factory.mktemp("sglang_hspec_pair")
+    target = builders.build_tiny_target(root / "target")
+    return target, builders.build_hspec_draft(root / "hspec", target)
+
+
 @pytest.fixture
 def sglang_server(tmp_path):
     """Factory: `sglang_server(model_path, args=[...])` starts a CPU server on a free loopback port and

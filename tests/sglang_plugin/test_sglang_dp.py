@@ -10,22 +10,13 @@ from tests.sglang_plugin.test_sglang_tp import DUMP, MAX_NEW, PROMPTS, TP2
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    from sglang_cpu import builders
-
-    root = tmp_path_factory.mktemp("sglang_dp")
-    target = builders.build_tiny_target(root / "target")
-    return target, builders.build_hspec_draft(root / "hspec", target)
-
-
-def test_hspec_dp2_replicas_each_draft_from_their_own_pool(checkpoints, sglang_server):
+def test_hspec_dp2_replicas_each_draft_from_their_own_pool(tiny_hspec_pair, sglang_server):
     """`--dp-size 2` without DP attention: SGLang's DataParallelController starts two schedulers, each holding
     the whole model and its own KV pool; both replicas bind their drafter to their pool, both draft blocks
     (each replica's record), and the greedy outputs of prompts spread over them equal HF's."""
     from sglang_cpu import builders
 
-    target, draft = checkpoints
+    target, draft = tiny_hspec_pair
     prompts = builders.PROMPTS[:PROMPTS]
     want = builders.hf_greedy(target, prompts, MAX_NEW)
     srv = sglang_server(target, name="hspec_dp2", plugins=("sglang_cpu_testing", "hspec"),

@@ -19,15 +19,6 @@ TP2 = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexisten
 DUMP = {"SGLANG_DSPARK_DEBUG_DUMP": "core,reqs", "SGLANG_RAGGED_VERIFY_MODE": "static"}
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    from sglang_cpu import builders
-
-    root = tmp_path_factory.mktemp("sglang_tp")
-    target = builders.build_tiny_target(root / "target")
-    return target, builders.build_hspec_draft(root / "hspec", target)
-
-
 def _serve_one_by_one(srv, prompts):
     """Output ids of each prompt, sent alone, and the draft blocks of its steps."""
     outputs, blocks, seen = [], [], 0
@@ -40,10 +31,10 @@ def _serve_one_by_one(srv, prompts):
     return outputs, blocks
 
 
-def test_hspec_tp2_server_equals_plain_tp2_and_hspec_tp1(checkpoints, sglang_server):
+def test_hspec_tp2_server_equals_plain_tp2_and_hspec_tp1(tiny_hspec_pair, sglang_server):
     from sglang_cpu import builders
 
-    target, draft = checkpoints
+    target, draft = tiny_hspec_pair
     prompts = builders.PROMPTS[:PROMPTS]
     want = builders.hf_greedy(target, prompts, MAX_NEW)
     plain = sglang_server(target, name="plain_tp2", args=["--tp-size", "2"], env_extra=TP2)
