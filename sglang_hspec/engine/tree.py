@@ -225,7 +225,7 @@ class _HSpecSource:
     """Per-node distributions of an H-Spec drafter from one backbone forward: slot j given the token at
     slot j - 1 is base[j] + the Markov bias of that token; the confidence head reads the same pair.
 
-    Nodes are computed in batches (`prefetch`): the heads of one slot for many previous tokens cost one
+    Nodes are computed in batches (`prefetch_keys`): the heads of one slot for many previous tokens cost one
     small GEMM, about what one token costs, so expanding a node also expands the parent's other candidates
     (the tree's likely siblings) in the same call, and a tree costs about one head call per depth."""
 
@@ -238,10 +238,6 @@ class _HSpecSource:
             self.base = model.base_logits(self.h)
         self.vocab = model.config.target.vocab_size
         self._nodes: dict[tuple[int, int, int], tuple[NodeDistribution, torch.Tensor]] = {}
-
-    def prefetch(self, b: int, slot: int, prevs: Sequence[int]) -> None:
-        """Compute and keep the nodes (b, slot, prev) for every prev not yet computed, in one head call."""
-        self.prefetch_keys([(b, slot, p) for p in prevs])
 
     @torch.no_grad()
     def prefetch_keys(self, keys: Sequence[tuple[int, int, int]]) -> None:
@@ -284,7 +280,7 @@ class _HSpecSource:
         """The node (b, slot, prev); `siblings`: other previous tokens likely to be asked for at this slot
         next, computed in the same call when this one is not computed yet."""
         if (b, slot, prev) not in self._nodes:
-            self.prefetch(b, slot, [prev, *siblings])
+            self.prefetch_keys([(b, slot, p) for p in (prev, *siblings)])
         return self._nodes[(b, slot, prev)]
 
     def main_child(self, b: int, slot: int, logits: torch.Tensor, sampling: SamplingParams,

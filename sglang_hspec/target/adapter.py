@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -41,6 +42,8 @@ PREFILL_FORWARD_TOKENS = 1024
 # KV storage is allocated in whole multiples of this many tokens (TargetAdapter.reset)
 KV_CAPACITY_GRANULE = 64
 
+_QUERY_CHUNK = 8  # queries per chunk: bounds the [chunk, keys, head_dim] products; rows are independent
+
 
 @dataclass
 class TreeKeyLayout:
@@ -54,8 +57,11 @@ class TreeKeyLayout:
     # [B, M]: nodes whose ancestors do not already sit in line at time prefix + 0, 1, ... (the chain from the
     # root at node indices 0, 1, 2, ... does; its rows in the tree's own layout are a verify's rows)
     gathered: torch.Tensor
-    gathered_rows: torch.Tensor  # gathered.nonzero(), once per forward rather than once per layer
-    gathered_nodes: torch.Tensor
+
+    @cached_property
+    def gathered_nodes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, nodes) of `gathered`, found once per forward rather than once per layer."""
+        return self.gathered.nonzero(as_tuple=True)
 
 
 TREE_KEY_LAYOUT: list[TreeKeyLayout] = []  # the active layout (at most one), set around a tree forward
@@ -80,10 +86,7 @@ def tree_key_layout(parents: torch.Tensor, depth: torch.Tensor, start: torch.Ten
     valid = j <= s + depth[:, :, None]
     levels = torch.arange(top, device=parents.device)
     in_line = ((at_depth == levels) | (levels > depth[:, :, None])).all(-1)
-    rows, nodes = (~in_line).nonzero(as_tuple=True)
-    return TreeKeyLayout(index=torch.where(valid, index, torch.zeros_like(index)), valid=valid, gathered=~in_line,
-                         gathered_rows=rows, gathered_nodes=nodes)
-_QUERY_CHUNK = 8  # queries per chunk: bounds the [chunk, keys, head_dim] products; rows are independent
+    return TreeKeyLayout(index=torch.where(valid, index, torch.zeros_like(index)), valid=valid, gathered=~in_line)
 
 
 def _sequential_sum(x: torch.Tensor, dim: int) -> torch.Tensor:

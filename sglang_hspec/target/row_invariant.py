@@ -43,22 +43,19 @@ INVARIANT_QUERY_ROWS = 64
 PROBE_ROWS = (2, 3, 8, 9, 16)  # verify blocks (block_size + 1 = 8), trees (16) and odd sizes between
 
 
-def gemm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                   *, scaling: float | None, is_causal: bool = True) -> torch.Tensor:
-    """Attention as two GEMMs in the inputs' (half-precision) dtype, for CPUs whose bf16 GEMM gives a row the same
-    bits whatever the other rows and however many zero-weight keys trail it (`make_row_invariant` checks that on
-    the model): the queries of a KV head are the rows of one product, and the softmax runs row by row in fp32 on
-    the upcast scores. query [B, H, L, D], key / value [B, kv_heads, T, D], an additive or boolean mask
-    [B, 1, L, T]; returns [B, L, H, D]. Few ops on purpose: a decode step runs this once per layer, and on a
-    2-core CPU each eager op costs microseconds that add up to a visible share of a 135M model's step."""
+def _attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """fp32 scores [B, kv_heads, groups * L, T] of query [B, H, L, D] against key [B, kv_heads, T, D]: the queries of
+    a KV head are the rows of one product (head = kv * groups + g: rows ordered (g, position))."""
     b, h, length, d = query.shape
-    kv_heads, t = key.shape[1], key.shape[2]
-    groups = h // kv_heads
-    rows = query.reshape(b, kv_heads, groups * length, d)  # head = kv * groups + g: rows ordered (g, position)
-    scores = torch.matmul(rows, key.transpose(-1, -2)).float().mul_(d ** -0.5 if scaling is None else scaling)
-    if attention_mask is None and length > 1 and is_causal:
-        attention_mask = (torch.arange(t, device=query.device)[None, :]
-                          <= torch.arange(t - length, t, device=query.device)[:, None])[None, None]
+    rows = query.reshape(b, key.shape[1], (h // key.shape[1]) * length, d)
+    return torch.matmul(rows, key.transpose(-1, -2)).float().mul_(d ** -0.5 if scaling is None else scaling)
+
+
+def _attend(scores: torch.Tensor, attention_mask: torch.Tensor | None, value: torch.Tensor, *, heads: int,
+            length: int) -> torch.Tensor:
+    """Mask (in place), softmax in fp32 row by row, then P @ V in the values' dtype: [B, L, H, D]."""
+    b, kv_heads, _, t = scores.shape
+    groups, d = heads // kv_heads, value.shape[-1]
     if attention_mask is not None:
         m = attention_mask[..., :t]
         by_group = scores.view(b, kv_heads, groups, length, t)  # the mask broadcasts over heads, no copy
@@ -68,7 +65,24 @@ def gemm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             by_group.add_(m[:, :, None])
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)
-    return out.view(b, kv_heads, groups, length, d).reshape(b, h, length, d).transpose(1, 2)
+    return out.view(b, kv_heads, groups, length, d).reshape(b, heads, length, d).transpose(1, 2)
+
+
+def gemm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                   *, scaling: float | None, is_causal: bool = True) -> torch.Tensor:
+    """Attention as two GEMMs in the inputs' (half-precision) dtype, for CPUs whose bf16 GEMM gives a row the same
+    bits whatever the other rows and however many zero-weight keys trail it (`make_row_invariant` checks that on
+    the model): the queries of a KV head are the rows of one product, and the softmax runs row by row in fp32 on
+    the upcast scores. query [B, H, L, D], key / value [B, kv_heads, T, D], an additive or boolean mask
+    [B, 1, L, T]; returns [B, L, H, D]. Few ops on purpose: a decode step runs this once per layer, and on a
+    2-core CPU each eager op costs microseconds that add up to a visible share of a 135M model's step."""
+    h, length = query.shape[1], query.shape[2]
+    t = key.shape[2]
+    scores = _attention_scores(query, key, scaling)
+    if attention_mask is None and length > 1 and is_causal:
+        attention_mask = (torch.arange(t, device=query.device)[None, :]
+                          <= torch.arange(t - length, t, device=query.device)[:, None])[None, None]
+    return _attend(scores, attention_mask, value, heads=h, length=length)
 
 
 def tree_gemm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -85,11 +99,10 @@ def tree_gemm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     b, h, m, d = query.shape
     kv = key.shape[1]
     groups = h // kv
-    rows = query.reshape(b, kv, groups * m, d)
-    scores = torch.matmul(rows, key.transpose(-1, -2)).float().mul_(d ** -0.5 if scaling is None else scaling)
-    b_sel, i_sel = layout.gathered_rows, layout.gathered_nodes
+    scores = _attention_scores(query, key, scaling)
+    b_sel, i_sel = layout.gathered_nodes
     line_out = None
-    if b_sel.numel():
+    if b_sel.numel():  # before `_attend` masks the scores in place
         index, valid = layout.index[b_sel, i_sel], layout.valid[b_sel, i_sel]  # [n, width]
         n, width = index.shape
         line = scores.view(b, kv, groups, m, -1)[b_sel, :, :, i_sel]  # [n, kv, groups, T]
@@ -100,15 +113,7 @@ def tree_gemm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         else:
             values = value.transpose(1, 2)[b_sel[:, None], index].permute(0, 2, 1, 3)  # [n, kv, width, D]
         line_out = torch.matmul(probs, values).reshape(n, h, d)  # [n, kv, groups, D]: head = kv * groups + g
-    if attention_mask is not None:
-        m_ = attention_mask[..., :scores.shape[-1]]
-        by_group = scores.view(b, kv, groups, m, -1)
-        if m_.dtype == torch.bool:
-            by_group.masked_fill_(~m_[:, :, None], float("-inf"))
-        else:
-            by_group.add_(m_[:, :, None])
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
-    out = out.view(b, kv, groups, m, d).reshape(b, h, m, d).transpose(1, 2).contiguous()
+    out = _attend(scores, attention_mask, value, heads=h, length=m).contiguous()
     if line_out is not None:
         out[b_sel, i_sel] = line_out
     return out
