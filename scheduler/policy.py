@@ -229,12 +229,14 @@ class AutoPolicy(_SpsPolicy):
     (requests served one at a time) takes a running mean of earlier requests' matured confidences.
     The audit forgets with `audit_decay` per observed step (recent acceptance counts most).
 
-    `guard=True` closes the loop on what the switch is for, tokens per second (`switch.RateGuard`): each
-    step's wall time (decide to next decide, on `clock`) and committed tokens are kept per kind of step, an
-    audit of the rate as `audit_ratios` audits acceptance, and the switch compares the corrected rates:
-    speculate iff g_spec x spec > (1 + margin) x g_plain x plain, g = (committed + guard_prior) / (predicted +
-    guard_prior) with sums decayed by `guard_decay`. Timings only change which tokens are verified, never
-    which are accepted."""
+    `guard=True` audits what the table says steps cost (`switch.RateGuard`): each step's wall time (decide to
+    next decide, on `clock`) against the seconds the table predicted, per kind of step, as `audit_ratios`
+    audits acceptance against the confidences; the switch compares the corrected rates: speculate iff
+    g_spec x spec > (1 + margin) x g_plain x plain, g = (predicted tokens + guard_prior) / (realized seconds x
+    predicted rate + guard_prior) per request, sums decayed by `guard_decay`. A speculative step is credited
+    the tokens the estimates predicted, not those it committed: the acceptance audit already corrects those,
+    and counting them twice shut speculation off for good after a few unlucky drafts. Timings only change
+    which tokens are verified, never which are accepted."""
 
     name = "auto"
 
@@ -384,10 +386,16 @@ class AutoPolicy(_SpsPolicy):
             decision = switch.SpeculationDecision(False, 0, False, 0, 0, 0.0, 0.0)
         if self.guard:
             kind = "probe" if decision.probe else ("spec" if decision.speculate else "plain")
-            predicted = best_rate if kind == "spec" else plain_rate
             if n:
-                self._guard_step = self._rate_guard.begin(kind=kind, predicted_rate=predicted, num_reqs=n,
-                                                          tokens=n if kind == "plain" else None)
+                # the guard audits seconds only: a speculative step is credited the tokens it was predicted to
+                # commit, so its scale is predicted / realized wall time. Acceptance has its own audit (the
+                # ratios), and a guard that counted the accepted tokens too would charge one shortfall twice
+                # (it kept single-request speculation off after a few unlucky drafts)
+                tokens = float(n)
+                if kind == "spec":
+                    tokens = best_rate * (self.costs.draft_seconds(n) + float(verify[n + best_n]))
+                self._guard_step = self._rate_guard.begin(kind=kind, predicted_rate=best_rate if kind == "spec"
+                                                          else plain_rate, num_reqs=n, tokens=tokens)
         self.probe_interval = switch.next_probe_interval(decision=decision, probe_interval=self.probe_interval,
                                                          initial=self.initial_interval, maximum=self.max_interval)
         if decision.probe:  # the rows whose information is oldest (never drafted first), then lower index
@@ -481,9 +489,6 @@ class AutoPolicy(_SpsPolicy):
             acc, pred = (t.numpy() for t in switch.audit_counts(
                 confidences=confidences, verify_lengths=verify_lengths, num_accepted=num_accepted))
         self._pending_audit.append((self._clock - 1, acc, pred))
-        last = self._guard_step
-        if last is not None and last[1] == "spec":  # every row drafted: one token each plus the accepted drafts
-            switch.RateGuard.set_tokens(last, int(self.last_decision.draft_rows) + int(num_accepted.sum()))
 
     def stats(self) -> PolicyStats:
         return msgspec.structs.replace(super().stats(), speculative_steps=self._spec_steps, probes=self._probes)

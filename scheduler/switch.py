@@ -303,7 +303,9 @@ class RateGuard:
     plain, the tokens committed against the tokens the switch's predicted rate would have committed in the
     step's wall time. The table and the survival estimates can both be off (a table profiled on random tokens,
     a noisy probe, stale estimates that overshoot), and the switch then speculates where it loses; this closes
-    the loop on what the switch is for, tokens per second.
+    the loop on what the switch is for, tokens per second. A caller that audits acceptance on its own
+    (AutoPolicy's ratios) credits a speculative step the tokens it predicted, so that the scale audits seconds
+    only and a shortfall of accepted drafts is not charged twice.
 
     A step runs from one `begin` to the next `begin` (or `end`) on `clock`: under overlap scheduling that is
     the pipeline's step period. Its tokens may arrive later than its end (`set_tokens`, e.g. once an

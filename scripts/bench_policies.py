@@ -1,9 +1,11 @@
 """Verify-length policies on the reference engine against plain decoding, side by side in one run.
 
 For each batch size B (concurrent requests), each drafter and each policy (fixed, exact, stale, auto),
-generate the same prompts (MT-Bench first turns; `--dataset`) and report throughput (tokens/s over the batch), its ratio to plain
+serve the same stream of requests (`--requests` MT-Bench first turns, `--dataset`, B at a time, through one engine
+per run) and report throughput (tokens/s over the batch), its ratio to plain
 decoding of the same batch in the same round (median over `--repeats` interleaved rounds, with its
-range), the ratio of its median tok/s to plain's ("x med"), tau, drafted steps and verified draft tokens
+range), the ratio of its median tok/s to plain's ("x med"), "x best" (its ratio to the better of plain decoding
+and the same drafter's `fixed` in the same round: the yardstick of `auto`), tau, drafted steps and verified draft tokens
 per step. The greedy outputs are checked against
 plain decoding. The CPU model, its flags (avx2 / avx512_bf16 / amx), torch threads and dtype are printed
 with the table. Drafters: `shipped`, a checkpoint directory, `random`
@@ -64,13 +66,27 @@ def profile_table(args, out: Path) -> str:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     batch_tokens = sorted({1, 2, 4, 8} | {b * f for b in sizes for f in (1, 2, 4, 8)})
     step_fn = make_step_fn(max_batch_tokens=max(batch_tokens), target=args.target, dtype=args.dtype,
-                           context=args.profile_context, max_requests=max(sizes), drafter="shipped")
+                           context=args.profile_context, max_requests=max(sizes), drafter="shipped",
+                           batch_invariant=args.batch_invariant)
     table = profile_sps(step_fn=step_fn, batch_tokens=batch_tokens, plain_fn=step_fn.plain_fn,
                         draft_fn=step_fn.draft_fn, plain_batch_sizes=sorted(set(sizes)), warmup=1,
                         repeats=args.profile_repeats, steps_per_repeat=2)
     save_sps_table(table, out)
     del step_fn
     return str(out)
+
+
+def add_paired_ratios(rows: list[dict]) -> None:
+    """Each row's ratios to runs of the same batch and round: x_plain (over plain decoding) and x_best (over the
+    better of plain decoding and always drafting, `fixed`, with the same drafter: what `auto` should reach;
+    None where the round has no `fixed` run of that drafter)."""
+    plain = {(r["batch"], r["round"]): r["throughput_tok_s"] for r in rows if r["policy"] == "plain"}
+    always = {(r["batch"], r["round"], r["drafter"]): r["throughput_tok_s"] for r in rows if r["policy"] == "fixed"}
+    for r in rows:
+        key = (r["batch"], r["round"])
+        r["x_plain"] = r["throughput_tok_s"] / plain[key]
+        best = always.get((*key, r["drafter"]))
+        r["x_best"] = None if best is None else r["throughput_tok_s"] / max(best, plain[key])
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -87,12 +103,24 @@ def summarize(rows: list[dict]) -> list[dict]:
             "batch": b, "drafter": spec, "policy": name, "rounds": len(rs),
             "throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in rs),
             "x_plain": statistics.median(ratios), "x_plain_min": min(ratios), "x_plain_max": max(ratios),
+            "x_best": None if rs[0].get("x_best") is None else statistics.median(r["x_best"] for r in rs),
+            "x_best_min": None if rs[0].get("x_best") is None else min(r["x_best"] for r in rs),
             "tau": statistics.median(r["tau"] for r in rs), "steps": rs[0]["steps"],
             "drafted_steps": rs[0]["drafted_steps"],
             "verified_drafts_per_step": statistics.median(r["verified_drafts_per_step"] for r in rs),
             "same_as_plain": None if same[0] is None else all(same),
         })
     return out
+
+
+def request_waves(num_prompts: int, *, batch_size: int, requests: int) -> list[list[int]]:
+    """Prompt indices of the generate() calls of one run: `requests` prompts (at least one batch) served
+    `batch_size` at a time in turn, prompts reused from the start when the set runs out."""
+    if batch_size < 1 or requests < 1 or num_prompts < 1:
+        raise ValueError(f"need batch_size, requests and prompts >= 1, got {batch_size}, {requests}, {num_prompts}")
+    total = -(-max(requests, batch_size) // batch_size) * batch_size
+    order = [i % num_prompts for i in range(total)]
+    return [order[i : i + batch_size] for i in range(0, total, batch_size)]
 
 
 def round_order(configs: list, r: int, order: str) -> list:
@@ -128,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="embedded")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="the target's batch-invariant mode: bf16 greedy speculation token-identical to plain")
+    ap.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"),
+                    help="the target's row-invariant mode, as the engine's default (auto: on for bf16 on a CPU where "
+                         "it holds, so greedy speculation is token-identical to plain); the SPS table it profiles "
+                         "uses the same mode")
     ap.add_argument("--drafters", default="shipped,random", help="comma-separated: shipped, random, ngram, DIR")
     ap.add_argument("--sps-table", default=None, help="SPS table JSON; default: profile one first")
     ap.add_argument("--profile-context", type=int, default=128)
@@ -141,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                          "guard, scheduler/policy.py), auto-prior<N> (auto with the guard's prior at N tokens per "
                          "request; default scheduler.switch.GUARD_PRIOR)")
     ap.add_argument("--dataset", default="mtbench", help="prompt set (sglang_hspec/assets/prompts.py), e.g. gsm8k")
+    ap.add_argument("--requests", type=int, default=16,
+                    help="requests per run, served --batch-sizes at a time by one engine (so `auto` learns from "
+                         "earlier requests, as in a server); a batch larger than this runs once")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 on a shared box)")
@@ -179,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             for spec, name in round_order(configs, r, args.order)]
     plain_out: dict[int, list] = {}
     for b, round_, spec, name in tqdm(runs, desc="runs"):
-        batch = (prompts * ((b + len(prompts) - 1) // len(prompts)))[:b]
+        waves = request_waves(len(prompts), batch_size=b, requests=args.requests)
         if spec == "none":
             engine = SpeculativeEngine(adapter, NoDrafter())
         else:
@@ -188,11 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             policy, transform = make_policy(base, block_size=drafter.block_size, sps_table=sps_table, sts=args.sts,
                                             guard=guard, guard_prior=prior)
             engine = SpeculativeEngine(adapter, drafter, policy=policy, confidence_transform=transform)
+        res, steps = [], 0
         t0 = time.perf_counter()
-        res = engine.generate(batch, sampling)
+        for wave in waves:  # one engine: its policy's state carries from request to request, as in a server
+            out = engine.generate([prompts[i] for i in wave], sampling)
+            res += out
+            steps += max(r.stats.num_steps for r in out)
         wall = time.perf_counter() - t0
         tokens = sum(len(r.output_ids) for r in res)
-        steps = max(r.stats.num_steps for r in res)
         outputs = [r.output_ids for r in res]
         if name == "plain":
             plain_out[b] = outputs
@@ -208,9 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             "verified_drafts_per_step": sum(sum(r.stats.verify_lengths) for r in res) / max(1, steps),
             "same_as_plain": outputs == plain_out[b] if args.temperature == 0 else None,
         })
-    base = {(r["batch"], r["round"]): r["throughput_tok_s"] for r in rows if r["policy"] == "plain"}
-    for r in rows:
-        r["x_plain"] = r["throughput_tok_s"] / base[(r["batch"], r["round"])]
+    add_paired_ratios(rows)
     summary = summarize(rows)
     # a second estimate: median tok/s over plain's median tok/s (each configuration's own median, so
     # not the noise of two runs per round, but not paired against drift either)
@@ -219,23 +253,25 @@ def main(argv: list[str] | None = None) -> int:
         r["x_plain_of_medians"] = r["throughput_tok_s"] / plain_median[r["batch"]]
     print(f"\n{cpu_description()} | torch threads {torch.get_num_threads()} | dtype {adapter.dtype}"
           f"{' batch-invariant' if adapter.batch_invariant else ''} | "
-          f"{args.dataset} | max_new_tokens {args.max_new_tokens} | T={args.temperature} | SPS table {sps_table} | "
+          f"{args.dataset} | {args.requests} requests per run | max_new_tokens {args.max_new_tokens} | T={args.temperature} | SPS table {sps_table} | "
           f"median of {args.repeats} interleaved rounds "
           + ("(a seeded permutation per round)" if args.order == "shuffle" else "(odd rounds in reverse order)"))
     print(f"{'B':>4} {'drafter':<10} {'policy':<7} {'tok/s':>8} {'x plain':>8} {'(min-max)':>11} {'x med':>6} {'tau':>6} "
-          f"{'drafted':>9} {'drafts/step':>12} {'same':>5}")
+          f"{'drafted':>9} {'drafts/step':>12} {'same':>5} {'x best':>7}")
     for r in summary:
         print(f"{r['batch']:>4} {r['drafter']:<10} {r['policy']:<7} {r['throughput_tok_s']:>8.1f} "
               f"{r['x_plain']:>8.2f} {r['x_plain_min']:>5.2f}-{r['x_plain_max']:<5.2f} {r['x_plain_of_medians']:>6.2f} "
               f"{r['tau']:>6.2f} "
               f"{r['drafted_steps']:>4}/{r['steps']:<4} {r['verified_drafts_per_step']:>12.2f} "
-              f"{'' if r['same_as_plain'] is None else str(r['same_as_plain']):>5}")
+              f"{'' if r['same_as_plain'] is None else str(r['same_as_plain']):>5} "
+              f"{'' if r['x_best'] is None else format(r['x_best'], '.2f'):>7}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"cpu": cpu_description(), "device": str(adapter.device), "dtype": str(adapter.dtype),
                        "batch_invariant": adapter.batch_invariant,
                        "threads": torch.get_num_threads(), "sps_table": sps_table, "repeats": args.repeats,
-                       "order": args.order, "dataset": args.dataset,
+                       "order": args.order, "dataset": args.dataset, "requests": args.requests,
+                       "max_new_tokens": args.max_new_tokens,
                        "summary": summary, "rows": rows}, fh, indent=2)
     return 0
 

@@ -219,7 +219,7 @@ def run_auto(policy: AutoPolicy, *, steps: int, n: int, k: int, confidence: floa
              spec_seconds=None):
     """Drive the policy like an engine; every drafted row keeps `accept` drafts (capped by its length).
     With a `clock` (FakeClock) each step also takes time on it: a plain step 1 / plain rate as predicted, a
-    speculative step its tokens at the predicted rate (or `spec_seconds`), a probe 1 s."""
+    speculative step the seconds the table predicts for its budget (or `spec_seconds`), a probe 1 s."""
     slots, gens = torch.arange(n), torch.zeros(n, dtype=torch.long)
     trace = []
     for _ in range(steps):
@@ -236,7 +236,9 @@ def run_auto(policy: AutoPolicy, *, steps: int, n: int, k: int, confidence: floa
             if decision.probe:
                 clock.now += 1.0
             elif decision.speculate:
-                clock.now += spec_seconds if spec_seconds is not None else tokens / decision.spec_tokens_per_sec
+                predicted = policy.costs.draft_seconds(n) + float(policy.costs.verify_seconds_range(
+                    start=n + decision.budget, count=1, num_reqs=n)[0])
+                clock.now += spec_seconds if spec_seconds is not None else predicted
             else:
                 clock.now += n / decision.plain_tokens_per_sec
         trace.append("P" if decision.probe else ("S" if decision.speculate else "."))
@@ -281,6 +283,21 @@ def test_auto_guard_keeps_decisions_where_the_engine_realizes_the_predicted_rate
     assert policy.guard_spec == pytest.approx(1.0) and policy.guard_plain == pytest.approx(1.0)
 
 
+def test_auto_guard_audits_seconds_and_leaves_acceptance_to_the_audit():
+    # steps take what the table predicts, but each row keeps 1 of its 3 drafts where 0.9 each was promised:
+    # the acceptance audit corrects the estimates (rho_1 < 1), the guard stays at 1 (it audits seconds only).
+    # It credited a step its committed tokens once, and so charged the same shortfall twice
+    table = cost_table([10, 9.5, 9, 8.5, 8, 7.5, 7, 6.5], plain=[10], draft=[0.01])
+    clock = FakeClock()
+    policy = AutoPolicy(table, lag=2, probe_rows=1, guard=True, clock=clock)
+    trace = run_auto(policy, steps=40, n=1, k=3, confidence=0.9, accept=1, clock=clock)
+    assert policy.guard_spec == pytest.approx(1.0) and policy.guard_plain == pytest.approx(1.0)
+    ratios = policy.audit_ratios()
+    assert float(ratios[0]) > 1.0 and float(ratios[1]) < 0.5
+    # 2 tokens in 0.01 + 1 / 9.5 s = 17.4 tok/s still beats plain's 10: it keeps speculating, verifying 1 draft
+    assert trace[:2] == "P." and set(trace[2:]) == {"S"}
+
+
 def test_auto_guard_switches_off_speculation_that_loses_in_wall_time():
     # the table and the estimates say speculating pays (4 tokens at ~31 tok/s against 10 tok/s plain), but on
     # this machine a speculative step takes 0.5 s: 8 tok/s, slower than plain decoding
@@ -292,12 +309,14 @@ def test_auto_guard_switches_off_speculation_that_loses_in_wall_time():
     trace = run_auto(policy, steps=100, n=1, k=3, confidence=0.9, accept=3, clock=clock,
                      spec_seconds=0.5)
     first_plain = trace.index(".", 2)
-    # each speculative step commits 4 tokens where ~15.6 were predicted: g_spec ~ (4m + 4) / (15.6m + 4) with the
-    # prior of 4 (switch.GUARD_PRIOR) falls below 10.5 / 31.1 = 0.338 after 3 of them (m = 1, 1.97, 2.91: 0.41,
-    # 0.34, 0.32); ~10 with a prior of 16; then plain decoding, probing now and then
+    # each speculative step was predicted to commit ~4 tokens in ~0.13 s and takes 0.5 s: in its wall time the
+    # predicted rate would have committed ~15.6, so g_spec ~ (4m + 4) / (15.6m + 4) with the prior of 4
+    # (switch.GUARD_PRIOR) falls below 10.5 / 31.1 = 0.338 after 3 of them (m = 1, 1.97, 2.91: 0.41, 0.34, 0.32);
+    # ~10 with a prior of 16; then plain decoding, probing now and then (the acceptance audit, rising above 1 as
+    # every draft is kept, may buy one more speculative step right at the boundary)
     assert switch.GUARD_PRIOR == 4.0
     assert trace[:2] == "P." and set(trace[2:first_plain]) == {"S"} and 2 <= first_plain - 2 <= 5
-    assert set(trace[first_plain:]) <= {".", "P"}
+    assert trace.count("S") <= 5 and set(trace[12:]) <= {".", "P"}
     assert policy.guard_spec < 10.5 / 31.1
     assert policy.guard_plain == pytest.approx(1.0)
     with pytest.raises(ValueError, match="guard_prior"):

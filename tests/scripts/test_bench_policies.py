@@ -40,3 +40,32 @@ def test_policy_variants_name_the_guard_and_its_prior(bench):
     for bad in ("auto-prior", "auto-prior0", "auto-priorx"):
         with pytest.raises(SystemExit, match="auto-prior<N> with a prior N > 0"):
             bench.policy_variant(bad)
+
+
+def test_paired_ratios_divide_by_plain_and_by_the_better_of_plain_and_always_drafting(bench):
+    rows = [{"batch": 1, "round": 0, "drafter": "none", "policy": "plain", "throughput_tok_s": 10.0},
+            {"batch": 1, "round": 0, "drafter": "d", "policy": "fixed", "throughput_tok_s": 15.0},
+            {"batch": 1, "round": 0, "drafter": "d", "policy": "auto", "throughput_tok_s": 12.0},
+            {"batch": 1, "round": 1, "drafter": "none", "policy": "plain", "throughput_tok_s": 20.0},
+            {"batch": 1, "round": 1, "drafter": "d", "policy": "fixed", "throughput_tok_s": 16.0},
+            {"batch": 1, "round": 1, "drafter": "d", "policy": "auto", "throughput_tok_s": 19.0},
+            {"batch": 1, "round": 1, "drafter": "e", "policy": "auto", "throughput_tok_s": 30.0}]
+    bench.add_paired_ratios(rows)
+    assert [r["x_plain"] for r in rows] == [1.0, 1.5, 1.2, 1.0, 0.8, 0.95, 1.5]
+    # round 0: always drafting wins (15); round 1: plain wins (20); drafter e ran no fixed: no yardstick
+    assert [r["x_best"] for r in rows] == [None, 1.0, 0.8, None, 0.8, 0.95, None]  # plain rows: no drafter
+    summary = {(r["drafter"], r["policy"]): r for r in bench.summarize(
+        [{**r, "tau": 1.0, "steps": 1, "drafted_steps": 1, "verified_drafts_per_step": 0.0, "same_as_plain": True}
+         for r in rows])}
+    assert summary[("d", "auto")]["x_best"] == pytest.approx(0.875)  # median of 0.8 and 0.95
+    assert summary[("d", "auto")]["x_best_min"] == 0.8
+    assert summary[("e", "auto")]["x_best"] is None
+
+
+def test_request_waves_serve_the_stream_batch_by_batch(bench):
+    assert bench.request_waves(80, batch_size=1, requests=3) == [[0], [1], [2]]
+    assert bench.request_waves(80, batch_size=4, requests=6) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # whole batches
+    assert bench.request_waves(80, batch_size=32, requests=16) == [list(range(32))]  # at least one batch
+    assert bench.request_waves(3, batch_size=2, requests=4) == [[0, 1], [2, 0]]  # prompts reused in turn
+    with pytest.raises(ValueError, match="batch_size, requests and prompts >= 1"):
+        bench.request_waves(3, batch_size=0, requests=4)
