@@ -73,24 +73,13 @@ def _demo_json(rows: list[dict], drafter: str) -> dict:
     raise SystemExit(f"demo JSON has no row {drafter!r}")
 
 
-def _demo_txt(root: Path, rel: str, drafter: str) -> dict:
-    """A row of `hspec demo`'s printed table: drafter, tau, step cost, tokens, tok/s, speedup, same-as-plain."""
-    path = root / RESULTS / rel
-    for line in path.read_text().splitlines():
-        m = re.match(rf"{re.escape(drafter)}\s+([\d.]+)\s+([\d.]+)\s+\d+\s+[\d.]+\s+([\d.]+)x\s+(\S+)", line)
-        if m:
-            return {"tau": float(m[1]), "step_cost": float(m[2]), "speedup": float(m[3]),
-                    "same_as_plain": m[4]}
-    raise SystemExit(f"{path}: no demo row for {drafter!r}")
-
-
 def _demo_value(r: dict) -> str:
     same = str(r["same_as_plain"]).split(" ")[0]
     return f"{r['speedup']:.2f}x of plain (tau {r['tau']:.2f}, step cost {r['step_cost']:.2f}; {same} identical)"
 
 
-def _policy(payload: dict, drafter: str, policy: str, batches: list[int]) -> list[float]:
-    by_batch = {s["batch"]: s["x_plain"] for s in payload["summary"]
+def _policy(payload: dict, drafter: str, policy: str, batches: list[int], field: str = "x_plain") -> list[float]:
+    by_batch = {s["batch"]: s[field] for s in payload["summary"]
                 if s["drafter"] == drafter and s["policy"] == policy}
     return [by_batch[b] for b in batches]
 
@@ -129,9 +118,6 @@ def headline_rows(root: Path = REPO) -> list[Row]:
     rows.append(Row(result="`make demo`: MT-Bench, 8 prompts x 96 tokens, batch 1, `shipped+lookup`",
                     value=_demo_value(_demo_json(_json(root, demo), "hspec-smollm2+lookup")), machine=XEON_AMX,
                     dtype="bf16 (auto)", command="`make demo`", artifact=demo))
-    zen5 = "demo/2026-12-07_epyc-zen5/demo_auto.txt"
-    rows.append(Row(result="`make demo`, the same", value=_demo_value(_demo_txt(root, zen5, "hspec-smollm2+lookup")),
-                    machine=ZEN5, dtype="bf16 (auto)", command="`make demo`", artifact=zen5))
     tree = "identity/2026-12-07_epyc-zen4/demo_tree.json"
     chain_row, tree_row = (_demo_json(_json(root, tree), d) for d in ("hspec-smollm2+lookup",
                                                                       "hspec-smollm2+lookup tree 16"))
@@ -156,15 +142,19 @@ def headline_rows(root: Path = REPO) -> list[Row]:
                     value=_demo_value(_demo_json(_json(root, fp32), "shipped+lookup")), machine=XEON_AMX,
                     dtype="fp32", command="`hspec demo --limit 8 --max-new-tokens 64 --also shipped+lookup --dtype fp32`",
                     artifact=fp32))
-    mt = "policies/2026-12-06_xeon-amx/policies_mtbench.json"
-    p = _json(root, mt)
-    rows.append(Row(result="engine `--policy auto` vs plain decoding, MT-Bench x 32 tokens, batch 1 / 4 / 16 / 32",
-                    value=f"{_ratios(_policy(p, 'shipped', 'auto', [1, 4, 16, 32]))} "
-                          f"(plain against itself: {_ratios(_policy(p, 'none', 'plain-aa', [1, 4, 16, 32]))})",
-                    machine=XEON_AMX, dtype="fp32",
-                    command="`python scripts/bench_policies.py --drafters shipped --policies fixed,exact,stale,auto "
-                            "--control --batch-sizes 1,4,16,32 --max-new-tokens 32 --dtype fp32 --repeats 3`",
-                    artifact=mt))
+    for dtype in ("bf16", "fp32"):
+        table = f"policies/2026-12-07_epyc-zen4/auto_table_{dtype}.json"
+        p = _json(root, table)
+        rows.append(Row(result="engine `--policy auto` over the better of plain decoding and always drafting, "
+                               "16 MT-Bench requests x 32 tokens, batch 1 / 4 / 16 / 32, `shipped+lookup`",
+                        value=f"{_ratios(_policy(p, 'shipped+lookup', 'auto', [1, 4, 16, 32], 'x_best'))} "
+                              f"(always drafting: {_ratios(_policy(p, 'shipped+lookup', 'fixed', [1, 4, 16, 32]))} "
+                              f"of plain; A/A {_ratios(_policy(p, 'none', 'plain-aa', [1, 4, 16, 32]))})",
+                        machine=ZEN4, dtype=dtype,
+                        command="`python scripts/bench_policies.py --drafters shipped+lookup --policies fixed,auto "
+                                f"--control --batch-sizes 1,4,16,32 --requests 16 --max-new-tokens 32 --dtype {dtype} "
+                                "--repeats 3 --sts docs/results/calibration/sts_hspec_smollm2.json`",
+                        artifact=table))
     gsm = "policies/2026-12-06_xeon-amx/policies_gsm8k.json"
     p = _json(root, gsm)
     rows.append(Row(result="engine `--policy auto` vs plain decoding, GSM8K x 64 tokens, batch 1 / 4 / 16",
