@@ -272,7 +272,6 @@ class AutoPolicy(_SpsPolicy):
         self.guard = guard
         # the realized-rate audit; its tokens arrive before the next decide (observe), so token_lag=0
         self._rate_guard = switch.RateGuard(prior=guard_prior, decay=guard_decay, token_lag=0, clock=clock)
-        self._guard_step: list | None = None  # the handle of the step decided last
         self.probe_interval = probe_interval
         self.last_decision: switch.SpeculationDecision | None = None
         self._block_size: int | None = None
@@ -375,7 +374,6 @@ class AutoPolicy(_SpsPolicy):
             best_n, best_rate = 0, 0.0
         plain_rate = n * self.costs.plain_steps_per_sec(n) if n else 0.0
         if self.guard:
-            self._guard_step = None
             self._rate_guard.end()
         if n:
             decision = switch.decision_from_best(
@@ -394,8 +392,8 @@ class AutoPolicy(_SpsPolicy):
                 tokens = float(n)
                 if kind == "spec":
                     tokens = best_rate * (self.costs.draft_seconds(n) + float(verify[n + best_n]))
-                self._guard_step = self._rate_guard.begin(kind=kind, predicted_rate=best_rate if kind == "spec"
-                                                          else plain_rate, num_reqs=n, tokens=tokens)
+                self._rate_guard.begin(kind=kind, predicted_rate=best_rate if kind == "spec" else plain_rate,
+                                       num_reqs=n, tokens=tokens)
         self.probe_interval = switch.next_probe_interval(decision=decision, probe_interval=self.probe_interval,
                                                          initial=self.initial_interval, maximum=self.max_interval)
         if decision.probe:  # the rows whose information is oldest (never drafted first), then lower index
