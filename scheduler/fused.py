@@ -9,8 +9,8 @@ compiled twin of the torch function that states its rule (scheduler/switch.py, s
   rows filled with the known rows' mean or with the prior) + numpy's sort + `best_rate_pass`
   (`switch.best_speculation`: tau(n) over them in descending order and the rate argmax); the decision
   itself is `switch.decision_from_best`, shared;
-- `mature_pass`: a draft snapshot that has aged `lag` steps written into the host state, and the
-  running prior (AutoPolicy's own state);
+- `mature_pass`: a draft snapshot that has aged `lag` steps folded into each request's shrunk mean
+  survival and the running prior (AutoPolicy's own state);
 - `plan_pass`: the [block_size, B] float64 host copy of this step's confidences (checked to be
   probabilities), their corrected survivals and the top-`budget` lengths in the shared candidate order
   (`planner.topk_lengths` over `switch.estimated_survival` of every row);
@@ -107,23 +107,50 @@ def best_speculation(conf, gen, slots, gens, ratios, prior, use_prior, verify_se
 
 
 @numba.njit(cache=True, nogil=True)
-def mature_pass(conf, gen, slots, gens, matured, prior, has_prior):
-    """Writes one matured draft snapshot (matured [block_size, R] for slots / gens [R]) into the host
-    state conf [block_size, S] / gen [S], and folds its per-slot mean into prior [block_size] (0.9 old +
-    0.1 new; the mean itself when not has_prior). False when the snapshot is empty (prior untouched)."""
+def mature_pass(conf, gen, surv_sum, count, prior_surv, prior, slots, gens, matured, has_prior, strength):
+    """Folds one matured draft snapshot (matured [block_size, R] conditional confidences for slots / gens [R])
+    into the host state, in survival space. Per request (a slot whose generation changes starts afresh):
+    surv_sum [block_size, S] += its survivals cumprod(c), count [S] += 1. The population prior_surv
+    [block_size]: 0.9 old + 0.1 this snapshot's mean survival (the mean itself when not has_prior). Then a
+    request's estimate is the shrunk mean S = (strength x prior_surv + surv_sum) / (strength + count), written
+    to conf [block_size, S] as conditionals S_j / S_{j-1} (S_{-1} = 1; 0 past a zero survival), and prior
+    [block_size] gets prior_surv's conditionals likewise.
+
+    Why a mean and why survivals: a request's confidences from two steps back predict this step's acceptance
+    no better than the population does (docs/scheduler.md, "Estimates, two steps stale"), so one low snapshot
+    must not hold a request plain; and a mean of conditionals under-predicts the mean survival where the
+    confidences vary together (lookup-spliced blocks: 0.70 for 0.85). False when the snapshot is empty."""
     block_size, rows = matured.shape
-    for r in range(rows):
-        gen[slots[r]] = gens[r]
-        for j in range(block_size):
-            conf[j, slots[r]] = matured[j, r]
     if rows == 0:
         return False
+    mean = np.zeros(block_size)
+    for r in range(rows):
+        s = slots[r]
+        if gen[s] != gens[r]:
+            gen[s] = gens[r]
+            count[s] = 0
+            for j in range(block_size):
+                surv_sum[j, s] = 0.0
+        surv = 1.0
+        for j in range(block_size):
+            surv = surv * matured[j, r] if j else matured[j, r]
+            surv_sum[j, s] += surv
+            mean[j] += surv
+        count[s] += 1
     for j in range(block_size):
-        acc = 0.0
-        for r in range(rows):
-            acc += matured[j, r]
-        mean = acc * (1.0 / rows)
-        prior[j] = 0.9 * prior[j] + 0.1 * mean if has_prior else mean
+        m = mean[j] * (1.0 / rows)
+        prior_surv[j] = 0.9 * prior_surv[j] + 0.1 * m if has_prior else m
+    previous = 1.0
+    for j in range(block_size):
+        prior[j] = prior_surv[j] / previous if previous > 0.0 else 0.0
+        previous = prior_surv[j]
+    for r in range(rows):
+        s = slots[r]
+        previous = 1.0
+        for j in range(block_size):
+            est = (strength * prior_surv[j] + surv_sum[j, s]) / (strength + count[s])
+            conf[j, s] = est / previous if previous > 0.0 else 0.0
+            previous = est
     return True
 
 
@@ -223,7 +250,8 @@ def warm_up() -> None:
     ratios = np.ones(2)
     survival_pass(conf, gen, ids, ids, ratios, ratios, False, 0.0, np.empty(8))
     best_rate_pass(np.full(4, 0.5), 2, np.ones(16), 0.0)
-    mature_pass(conf, gen, ids, ids, conf[:, :2].copy(), np.ones(2), False)
+    mature_pass(conf, gen, np.zeros((2, 4)), np.zeros(4, dtype=np.int64), np.ones(2), np.ones(2), ids, ids,
+                conf[:, :2].copy(), False, 8.0)
     for dtype in (np.float32, np.float64):
         plan_pass(np.full((2, 2), 0.5, dtype=dtype), ratios, 1, np.empty((2, 2)), np.empty(2, dtype=np.int64),
                   ids, np.zeros(4, dtype=np.int64), 0)

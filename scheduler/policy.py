@@ -225,8 +225,11 @@ class AutoPolicy(_SpsPolicy):
 
     Information enters the decision only `lag` steps after it was produced (drafts and verify
     outcomes alike), so under overlap scheduling the decision for step t never waits for step t-1.
-    Requests never drafted take the mean of the known rows of the batch; a batch of only new requests
-    (requests served one at a time) takes a running mean of earlier requests' matured confidences.
+    A request's estimate is the mean survival of its matured drafts, shrunk toward the running mean of
+    all matured drafts by `estimate_strength` drafts' worth (fused.mature_pass): a step's confidences say
+    much about that step's acceptance and next to nothing about the step two later. Requests never
+    drafted take the mean of the known rows of the batch; a batch of only new requests (requests served
+    one at a time) takes the running mean.
     The audit forgets with `audit_decay` per observed step (recent acceptance counts most).
 
     `guard=True` audits what the table says steps cost (`switch.RateGuard`): each step's wall time (decide to
@@ -250,8 +253,9 @@ class AutoPolicy(_SpsPolicy):
         probe_interval: int = 16,
         max_probe_interval: int = 256,
         probe_rows: int = 4,
-        audit_prior: float = 1.0,
+        audit_prior: float = 4.0,
         audit_decay: float = 0.95,
+        estimate_strength: float = 8.0,
         guard: bool = False,
         guard_prior: float = switch.GUARD_PRIOR,
         guard_decay: float = 0.97,
@@ -265,6 +269,9 @@ class AutoPolicy(_SpsPolicy):
                              f"{max_probe_interval}")
         if audit_prior <= 0 or not 0 < audit_decay <= 1:
             raise ValueError(f"need audit_prior > 0 and 0 < audit_decay <= 1, got {audit_prior}, {audit_decay}")
+        if not estimate_strength >= 0:
+            raise ValueError(f"estimate_strength must be >= 0 (drafts' worth of the prior), got {estimate_strength}")
+        self.estimate_strength = float(estimate_strength)
         self.costs = switch.StepCosts(sps_table, draft_seconds=draft_seconds)
         self.lag, self.margin, self.probe_rows = lag, margin, probe_rows
         self.initial_interval, self.max_interval = probe_interval, max_probe_interval
@@ -277,8 +284,11 @@ class AutoPolicy(_SpsPolicy):
         self._block_size: int | None = None
         # host state, numpy, read by the compiled passes of fused.py (the decision runs every step: one numpy
         # call costs ~1 us, a torch op several; the passes do a step's work in one call each)
-        # [block_size, slots] last matured confidences (slot-major: contiguous per slot j)
+        # [block_size, slots] each request's estimate as conditionals (slot-major: contiguous per slot j), from
+        # the sum of its matured survivals and their count, shrunk toward the prior (fused.mature_pass)
         self._conf = np.zeros((0, 0))
+        self._surv_sum = np.zeros((0, 0))
+        self._count = np.zeros(0, dtype=np.int64)
         self._gen = np.full(0, -1, dtype=np.int64)  # generation those belong to (-1: none)
         self._drafted_at = np.full(0, _NEVER, dtype=np.int64)  # step of the slot's last draft
         self._pending: deque = deque()  # (step, slot_ids, generations, confidences), not yet matured
@@ -286,7 +296,8 @@ class AutoPolicy(_SpsPolicy):
         self._accepted = np.zeros(0)
         self._predicted = np.zeros(0)
         self._ratios = np.zeros(0)
-        self._prior = np.zeros(0)  # running mean of matured confidences, per slot (once _has_prior)
+        self._prior = np.zeros(0)  # conditionals of the running mean survival (once _has_prior)
+        self._prior_surv = np.zeros(0)  # the running mean survival of matured drafts, per slot
         self._has_prior = False
         self._last_draft_step = _NEVER
         self._probes = self._spec_steps = 0
@@ -304,7 +315,8 @@ class AutoPolicy(_SpsPolicy):
         if block_size is not None and self._block_size is None:
             self._block_size = block_size
             self._conf = np.zeros((block_size, self._conf.shape[1]))
-            self._prior = np.zeros(block_size)
+            self._surv_sum = np.zeros((block_size, self._conf.shape[1]))
+            self._prior, self._prior_surv = np.zeros(block_size), np.zeros(block_size)
             self._accepted, self._predicted = np.zeros(block_size), np.zeros(block_size)
             self._ratios = np.ones(block_size)
         elif block_size is not None and block_size != self._block_size:
@@ -315,18 +327,25 @@ class AutoPolicy(_SpsPolicy):
             size = max(slots, 2 * have, 64)
             conf = np.zeros((self._block_size or 0, size))
             conf[:, :have] = self._conf
+            surv_sum = np.zeros((self._block_size or 0, size))
+            surv_sum[:, :have] = self._surv_sum
+            count = np.zeros(size, dtype=np.int64)
+            count[:have] = self._count
             gen = np.full(size, -1, dtype=np.int64)
             gen[:have] = self._gen
             drafted = np.full(size, _NEVER, dtype=np.int64)
             drafted[:have] = self._drafted_at
             self._conf, self._gen, self._drafted_at = conf, gen, drafted
+            self._surv_sum, self._count = surv_sum, count
 
     def _mature(self, step: int) -> None:
         while self._pending and self._pending[0][0] <= step - self.lag:
             _, slots, gens, conf = self._pending.popleft()  # conf [block_size, rows]
-            # also the running per-slot mean: the estimate for a batch of requests never drafted
-            self._has_prior |= fused.mature_pass(self._conf, self._gen, slots, gens, conf, self._prior,
-                                                 self._has_prior)
+            # each request's shrunk mean survival, and the running mean (the estimate for a batch of requests
+            # never drafted)
+            self._has_prior |= fused.mature_pass(self._conf, self._gen, self._surv_sum, self._count,
+                                                 self._prior_surv, self._prior, slots, gens, conf, self._has_prior,
+                                                 self.estimate_strength)
         while self._pending_audit and self._pending_audit[0][0] <= step - self.lag:
             _, acc, pred = self._pending_audit.popleft()
             fused.fold_audit(self._accepted, self._predicted, acc, pred, self.audit_decay, self.audit_prior,
@@ -464,9 +483,9 @@ class AutoPolicy(_SpsPolicy):
             self._ensure(slots=0, block_size=block_size)
         self._pending.append((step, s.copy(), g.copy(), conf))
         self._planned = (confidences, conf)
-        if decision.probe and block_size:  # a probe verifies at least one draft per drafted row (feeds the audit)
-            np.maximum(verify_lengths, 1, out=verify_lengths)
-            total = int(verify_lengths.sum())
+        if decision.probe and block_size:  # a probe verifies its rows' whole blocks: the audit learns every slot
+            verify_lengths[:] = block_size
+            total = b * block_size
         self._steps += 1
         self._last = total
         self._total += self._last

@@ -75,14 +75,16 @@ def test_greedy_equals_plain_decoding_and_the_switch_follows_the_drafter(sps_pat
     assert oracle.speculative_steps == oracle.steps - 1 and oracle.probes == 1
     # random proposals (no confidence head: the audit ratio is the acceptance rate): verifying is nearly
     # free in TABLE, so speculating looks worth it until the audit has seen enough rejections; then it
-    # decodes plainly and has to probe again (a second probe after the cold one)
-    assert random_.probes == 2 and random_.speculative_steps < random_.steps - 10
+    # decodes plainly for the rest of the 40 tokens
+    assert random_.probes == 1 and random_.speculative_steps < random_.steps - 10
 
 
 def test_only_probes_draft_when_verifying_is_costly(tmp_path):
-    """CPU-like costs (a 2-token verify costs 1.3 plain steps, a draft 0.3) and random proposals: after
-    the cold probe's outcome the switch decodes plainly, and only the probes (steps 0 and 32) verify
-    drafts; every other step verifies its anchor alone and commits exactly one token."""
+    """CPU-like costs (a 2-token verify costs 1.3 plain steps, a draft 0.3) and random proposals: the cold
+    probe's rejected draft moves the audit's rho only to 4 / 5 (its prior is 4 predicted drafts), so the
+    switch drafts three more steps (2, 3, 4) until the rejections add up, then decodes plainly; after that
+    only the probe (16 steps after the last draft) verifies drafts, and every other step verifies its anchor
+    alone and commits exactly one token."""
     save_sps_table(SpsCostTable(sample_batch_tokens=[1, 2, 3, 4, 5], sample_steps_per_sec=[10.0, 7.7, 6, 4.5, 3],
                                 max_batch_tokens=8, plain_batch_sizes=[1], plain_steps_per_sec=[10.0],
                                 draft_seconds=[0.03]), tmp_path / "cpu.json")
@@ -92,8 +94,8 @@ def test_only_probes_draft_when_verifying_is_costly(tmp_path):
     res = SpeculativeEngine(adapter, RandomDrafter(96, 4), policy=policy, confidence_transform=transform).generate(
         [[1, 2, 3]], GREEDY)[0]
     lengths = res.stats.verify_lengths
-    assert [i for i, v in enumerate(lengths) if v] == [0, 32]
-    assert policy.planner.stats().probes == policy.planner.stats().speculative_steps == 2
+    assert [i for i, v in enumerate(lengths) if v] == [0, 2, 3, 4, 20]
+    assert policy.planner.stats().probes == 2 and policy.planner.stats().speculative_steps == 5
     assert len(lengths) == GREEDY.max_new_tokens - 1  # one token per step (the first comes from the prefill)
 
 
@@ -224,11 +226,12 @@ def test_auto_policy_sampling_matches_plain_sampling_and_rejects_a_wrong_switch(
     law = plain_law(small_target)
     results = run_auto(small_target, wrong=False)
     first = torch.tensor([r.stats.verify_lengths[0] for r in results])
-    second = torch.tensor([r.stats.verify_lengths[1] for r in results])
-    # step 1 is a probe of half the rows (the other half decode plainly), step 2 speculates for all
-    # (capped by the tokens left to emit), so rows verify 0, 1 or 2 drafts in one step
-    assert int((first == 0).sum()) == SAMPLES // 2 and int((first > 0).sum()) == SAMPLES // 2
-    assert int((second > 0).sum()) == SAMPLES and set(first.tolist()) | set(second.tolist()) == {0, 1, 2}
+    # step 1 is a probe of half the rows, which verify their whole blocks (the other half decode plainly);
+    # step 2 speculates for every row (capped by the tokens left to emit: the rows that decoded plainly
+    # have 3 left and verify drafts)
+    assert int((first == 0).sum()) == SAMPLES // 2 and int((first == BLOCK).sum()) == SAMPLES // 2
+    second = torch.tensor([r.stats.verify_lengths[1] for r in results if r.stats.verify_lengths[0] == 0])
+    assert second.numel() == SAMPLES // 2 and bool((second > 0).all())
     for m, (stat, pvalue, cells) in enumerate(prefix_pvalues(results, law), 1):
         assert pvalue > LEVEL, f"tokens 1..{m}: X^2={stat:.0f} on {cells} cells, p={pvalue:.1e}"
 

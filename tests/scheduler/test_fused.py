@@ -55,17 +55,38 @@ def test_plan_pass_rejects_what_is_not_a_probability(bad):
     assert drafted.tolist() == [-5, -5]  # nothing recorded for a step that is refused
 
 
-def test_mature_pass_writes_the_snapshot_and_folds_the_prior():
+def test_mature_pass_shrinks_each_request_mean_survival_toward_the_prior():
     conf, gen = np.zeros((2, 4)), np.full(4, -1, dtype=np.int64)
-    prior = np.zeros(2)
-    matured = np.array([[0.2, 0.6], [0.4, 1.0]])  # [k=2, rows=2] for slots 3 and 1
-    assert fused.mature_pass(conf, gen, np.array([3, 1]), np.array([7, 8]), matured, prior, False)
-    assert gen.tolist() == [-1, 8, -1, 7] and conf[:, 3].tolist() == [0.2, 0.4] and conf[:, 1].tolist() == [0.6, 1.0]
-    assert prior.tolist() == pytest.approx([0.4, 0.7], abs=1e-15)  # the first snapshot's mean
-    assert fused.mature_pass(conf, gen, np.array([0]), np.array([9]), np.array([[1.0], [0.0]]), prior, True)
-    assert prior.tolist() == pytest.approx([0.9 * 0.4 + 0.1, 0.9 * 0.7], abs=1e-15)
-    assert not fused.mature_pass(conf, gen, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
-                                 np.zeros((2, 0)), prior, True)
+    surv_sum, count = np.zeros((2, 4)), np.zeros(4, dtype=np.int64)
+    prior, prior_surv = np.zeros(2), np.zeros(2)
+
+    def mature(slots, gens, matured, has_prior, strength=2.0):
+        return fused.mature_pass(conf, gen, surv_sum, count, prior_surv, prior, np.array(slots), np.array(gens),
+                                 np.array(matured), has_prior, strength)
+
+    # [k=2, rows=2] for slots 3 and 1: survivals [0.2, 0.08] and [0.6, 0.6], their mean [0.4, 0.34] is the prior
+    assert mature([3, 1], [7, 8], [[0.2, 0.6], [0.4, 1.0]], False)
+    assert gen.tolist() == [-1, 8, -1, 7] and count.tolist() == [0, 1, 0, 1]
+    assert prior_surv.tolist() == pytest.approx([0.4, 0.34], abs=1e-15)
+    assert prior.tolist() == pytest.approx([0.4, 0.85], abs=1e-15)  # conditionals of the mean survival
+    # slot 3: (2 x [0.4, 0.34] + [0.2, 0.08]) / 3 = [1/3, 0.76/3] -> conditionals [1/3, 0.76]
+    assert conf[:, 3].tolist() == pytest.approx([1 / 3, 0.76], abs=1e-15)
+    assert conf[:, 1].tolist() == pytest.approx([1.4 / 3, 1.28 / 1.4], abs=1e-15)
+    # the same request again: sums [0.7, 0.08] over 2 drafts; prior 0.9 [0.4, 0.34] + 0.1 [0.5, 0] = [0.41, 0.306]
+    assert mature([3], [7], [[0.5], [0.0]], True)
+    assert count[3] == 2 and prior_surv.tolist() == pytest.approx([0.41, 0.306], abs=1e-15)
+    assert conf[:, 3].tolist() == pytest.approx([1.52 / 4, 0.692 / 1.52], abs=1e-15)
+    # a new generation in slot 3 starts afresh: one draft, survivals [1, 0.5]
+    assert mature([3], [9], [[1.0], [0.5]], True)
+    assert count[3] == 1 and gen[3] == 9
+    assert prior_surv.tolist() == pytest.approx([0.469, 0.3254], abs=1e-15)
+    assert conf[:, 3].tolist() == pytest.approx([1.938 / 3, 1.1508 / 1.938], abs=1e-15)
+    assert conf[:, 1].tolist() == pytest.approx([1.4 / 3, 1.28 / 1.4], abs=1e-15)  # untouched
+    # strength 0 is the request's own mean; past a zero survival the conditionals are 0, not NaN
+    assert mature([0], [5], [[0.0], [0.7]], True, strength=0.0)
+    assert conf[:, 0].tolist() == [0.0, 0.0]
+    assert not mature(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros((2, 0)), True)
+    assert count[3] == 1  # an empty snapshot changes nothing
 
 
 def test_fold_audit_and_index_bounds_hand_computed():

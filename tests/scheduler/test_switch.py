@@ -247,15 +247,17 @@ def run_auto(policy: AutoPolicy, *, steps: int, n: int, k: int, confidence: floa
 
 def test_auto_policy_switches_off_for_a_head_that_overpromises_and_probes_rarely():
     # verify of 2 tokens costs 1.25 plain steps, a draft 0.2: confidence 0.5 would pay (1.5 / 1.45 > 1),
-    # but nothing is ever accepted; after the first probe's outcome (rho_0 = 1 / 1.5: spec(1) = 1.33 /
-    # 0.145 = 9.2 < 10) the policy stays plain, probing at intervals 32, 64, 64 (16 doubled per probe, capped)
+    # but nothing is ever accepted; after the first probe's outcome (rho_0 = 4 / 4.5 with the audit's prior of
+    # 4: spec(1) = 1.44 / 0.145 = 9.96 < 10.5) the policy stays plain, probing at intervals 32, 64, 64 (16
+    # doubled per probe, capped)
     table = cost_table([10, 8, 6, 5, 4, 3, 2, 2], plain=[10], draft=[0.02])
     policy = AutoPolicy(table, lag=2, probe_interval=16, max_probe_interval=64, probe_rows=1)
     trace = run_auto(policy, steps=200, n=1, k=3, confidence=0.5, accept=0)
     assert [i for i, c in enumerate(trace) if c != "."] == [0, 32, 96, 160]
     assert set(trace) == {"P", "."}
     assert policy.stats().speculative_steps == 4 and policy.stats().probes == 4
-    assert float(policy.audit_ratios()[0]) < 0.5
+    # four probes, each slot 1 predicted 0.5 and rejected, forgotten 0.95 per observed step
+    assert float(policy.audit_ratios()[0]) == pytest.approx(4 / (4 + 0.5 * (1 + 0.95 + 0.95 ** 2 + 0.95 ** 3)))
 
 
 def test_auto_policy_speculates_every_step_when_drafts_pay():
@@ -264,7 +266,7 @@ def test_auto_policy_speculates_every_step_when_drafts_pay():
     trace = run_auto(policy, steps=30, n=1, k=3, confidence=0.9, accept=3)
     # probe at 0, nothing known at 1, from step 2 on (the probe's outcome has matured) every step speculates
     assert trace == "P." + "S" * 28
-    assert policy.stats().total_budget == 1 + 28 * 3
+    assert policy.stats().total_budget == 3 + 28 * 3  # the probe verifies its row's whole block
 
 
 class FakeClock:
@@ -317,7 +319,8 @@ def test_auto_guard_switches_off_speculation_that_loses_in_wall_time():
     assert switch.GUARD_PRIOR == 4.0
     assert trace[:2] == "P." and set(trace[2:first_plain]) == {"S"} and 2 <= first_plain - 2 <= 5
     assert trace.count("S") <= 5 and set(trace[12:]) <= {".", "P"}
-    assert policy.guard_spec < 10.5 / 31.1
+    # the guard is what holds it off (the audit, every draft kept, says 27-31 tok/s against 10.5)
+    assert policy.guard_spec < 0.4
     assert policy.guard_plain == pytest.approx(1.0)
     with pytest.raises(ValueError, match="guard_prior"):
         AutoPolicy(table, guard=True, guard_prior=0.0)
@@ -364,6 +367,23 @@ def test_rate_guard_hand_computed():
         switch.RateGuard(token_lag=-1)
 
 
+def test_rate_guard_spec_scale_shrinks_toward_the_plain_scale():
+    # a machine faster than when the table was profiled: plain steps realize 2x their predicted tokens. With no
+    # drafting step measured, the spec scale is plain's (1.2), not 1; measured steps then count against it
+    clock = FakeClock()
+    guard = switch.RateGuard(prior=2.0, decay=1.0, clock=clock)
+    guard.begin(kind="plain", predicted_rate=4.0, num_reqs=1, tokens=1)
+    clock.now = 0.125
+    guard.end()  # 1 committed where 0.125 s x 4 tok/s = 0.5 were predicted
+    assert guard.scale("plain") == pytest.approx((1 + 2) / (0.5 + 2))
+    assert guard.scale("spec") == pytest.approx(1.2)
+    guard.begin(kind="spec", predicted_rate=10.0, num_reqs=1, tokens=5)
+    clock.now = 1.125
+    guard.end()  # 5 where 10 were predicted
+    assert guard.scale("spec") == pytest.approx((5 + 2 * 1.2) / (10 + 2))
+    assert guard.scale("plain") == pytest.approx(1.2)
+
+
 def test_auto_policy_uses_information_exactly_lag_steps_old():
     table = cost_table([10, 9.5, 9, 8.5], plain=[10], draft=[0.0])
     for lag in (1, 2, 3):
@@ -375,8 +395,10 @@ def test_auto_policy_uses_information_exactly_lag_steps_old():
 def test_auto_policy_reused_slot_does_not_inherit_confidences():
     # slot 0 drafted 0.99 (every draft kept), slot 1 drafted 0.01; then slot 0 gets a new request. It must
     # borrow the known rows' mean (slot 1's 0.01: nothing worth verifying), not its predecessor's 0.99.
+    # estimate_strength=0: each request's own mean, so that the shrinkage toward the prior (the next tests)
+    # does not blur the two rows
     table = cost_table([10, 9.9, 9.8, 9.7, 9.6, 9.5, 9.4, 9.3], plain=[10, 10], draft=[0.0, 0.0])
-    policy = AutoPolicy(table, lag=1, probe_rows=2, margin=0.0)
+    policy = AutoPolicy(table, lag=1, probe_rows=2, margin=0.0, estimate_strength=0.0)
     slots, conf = torch.arange(2), torch.tensor([[0.99] * 3, [0.01] * 3])
     for _ in range(3):
         gens = torch.zeros(2, dtype=torch.long)
@@ -399,6 +421,53 @@ def test_auto_policy_new_requests_alone_use_earlier_requests_confidences():
     run_auto(policy, steps=4, n=1, k=3, confidence=0.9, accept=3)
     d, rows = policy.decide(slot_ids=torch.tensor([0]), generations=torch.tensor([1]))
     assert d.speculate and not d.probe and rows.tolist() == [0]
+
+
+def test_auto_policy_one_low_snapshot_does_not_hold_a_request_plain():
+    # a step's confidences predict that step, not the one two later (docs/scheduler.md, "Estimates, two
+    # steps stale"): a request that drafted 0.9 (all kept) five times and then 0.05 once keeps speculating on its
+    # shrunk mean. Holding its latest snapshot instead, it decoded plainly until the next probe.
+    table = cost_table([10, 9.5, 9, 8.5], plain=[10], draft=[0.0])
+    policy = AutoPolicy(table, lag=1, probe_rows=1)
+    slots, gens = torch.tensor([0]), torch.zeros(1, dtype=torch.long)
+    trace = []
+    for c in [0.9] * 5 + [0.05] + [0.9] * 4:
+        d, rows = policy.decide(slot_ids=slots, generations=gens)
+        trace.append("P" if d.probe else "S" if d.speculate else ".")
+        if d.speculate:
+            conf = torch.full((1, 3), c)
+            lengths = policy.plan(confidences=conf, slot_ids=slots, generations=gens)
+            accepted = lengths.clamp_max(3 if c > 0.5 else 0)
+            policy.observe(slot_ids=slots, generations=gens, confidences=conf, verify_lengths=lengths,
+                           num_accepted=accepted)
+    assert "".join(trace) == "P" + "S" * 9
+    # estimate_strength=0 is the request's own mean: 5 x [0.9, 0.81, 0.729] + [0.05, 0.0025, 0.000125] over 6
+    own = AutoPolicy(table, lag=1, probe_rows=1, estimate_strength=0.0)
+    run_auto(own, steps=5, n=1, k=3, confidence=0.9, accept=3)
+    own.plan(confidences=torch.full((1, 3), 0.05), slot_ids=slots, generations=gens)
+    own.decide(slot_ids=slots, generations=gens)  # matures the 0.05 snapshot
+    mean = [(5 * 0.9 + 0.05) / 6, (5 * 0.81 + 0.0025) / 6, (5 * 0.729 + 0.000125) / 6]
+    # (the confidences are float32: 0.9 is 0.89999998)
+    assert own._conf[:, 0].tolist() == pytest.approx([mean[0], mean[1] / mean[0], mean[2] / mean[1]], rel=1e-6)
+
+
+def test_auto_policy_prior_is_the_mean_survival_not_the_product_of_mean_conditionals():
+    # one probe drafts two requests, [1, 1, 1] (all kept) and [0, 0, 0]: the mean survival is 0.5 at every
+    # slot, so a new request alone expects 1 + 3 x 0.5 = 2.5 tokens from 3 drafts, at 8.5 steps/s: 21.25
+    # tok/s. The product of the mean conditionals (0.5 each) would expect 1 + 0.5 + 0.25 + 0.125 and 15.9 tok/s
+    # (lookup-spliced blocks vary together like this: their mean survival was 0.85, that product 0.70)
+    table = cost_table([10, 9.5, 9, 8.5], plain=[10, 10], draft=[0.0, 0.0])
+    policy = AutoPolicy(table, lag=1, probe_rows=2)
+    slots, gens = torch.arange(2), torch.zeros(2, dtype=torch.long)
+    d, rows = policy.decide(slot_ids=slots, generations=gens)
+    assert d.probe and rows.tolist() == [0, 1]
+    conf = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    lengths = policy.plan(confidences=conf, slot_ids=slots, generations=gens)
+    policy.observe(slot_ids=slots, generations=gens, confidences=conf, verify_lengths=lengths,
+                   num_accepted=torch.tensor([3, 0]).minimum(lengths))
+    d, _ = policy.decide(slot_ids=torch.tensor([2]), generations=torch.tensor([0]))  # never drafted: the prior
+    assert policy.audit_ratios().tolist() == [1.0, 1.0, 1.0]
+    assert d.speculate and d.best_budget == 3 and d.spec_tokens_per_sec == pytest.approx(2.5 * 8.5, rel=1e-12)
 
 
 def test_auto_policy_plan_without_decide_is_an_error():
