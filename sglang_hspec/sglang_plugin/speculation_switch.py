@@ -126,20 +126,48 @@ class AnchorOnlyPlanner:
 
 
 class StaleConfidences:
-    """The confidences SGLang's budget planner last read on the host for each request slot (STS-calibrated;
-    relayed and two steps old under overlap, the last drafting step's without: `RecordingBudgetPlanner`),
-    with whether they belong to the slot's current request (SGLang's generation guard). Written only by the
-    planner (before a step, under overlap; after drafting, without), so every read is stale by construction."""
+    """What the switch knows of each request slot's confidences (STS-calibrated; relayed and two steps old
+    under overlap, the last drafting step's without: `RecordingBudgetPlanner`), with whether they belong to
+    the slot's current request (SGLang's generation guard). Written only by the planner (before a step, under
+    overlap; after drafting, without), so every read is stale by construction.
 
-    def __init__(self, *, req_pool_size: int, block_size: int):
+    What it keeps is not the last snapshot but, per request, the mean survival of the snapshots it was handed,
+    shrunk toward the running mean survival of all requests by `strength` snapshots' worth, read back as
+    conditionals (the reference engine's rule, sglang_hspec/scheduler/fused.py `mature_pass`): a step's
+    confidences predict that step's acceptance and next to nothing of the step two later, so one low snapshot
+    held a request plain until its next probe (docs/scheduler.md, "Estimates, two steps stale")."""
+
+    def __init__(self, *, req_pool_size: int, block_size: int, strength: float = 8.0):
+        if not strength >= 0:
+            raise ValueError(f"strength must be >= 0 (snapshots' worth of the prior), got {strength}")
+        self.strength = float(strength)
         self.confidence = torch.ones(req_pool_size, block_size, dtype=torch.float32)
         self.generation = torch.full((req_pool_size,), -1, dtype=torch.int64)
+        self._surv_sum = torch.zeros(req_pool_size, block_size, dtype=torch.float64)
+        self._count = torch.zeros(req_pool_size, dtype=torch.float64)
+        self._prior_surv: torch.Tensor | None = None  # [block_size] running mean survival of every snapshot
 
     def write(self, *, rows: torch.Tensor, confidence: torch.Tensor, generation: torch.Tensor,
               known: torch.Tensor) -> None:
         rows = rows.to(torch.long)
-        self.confidence[rows] = confidence[:, : self.confidence.shape[1]].to(torch.float32)
-        self.generation[rows] = torch.where(known.view(-1), generation.to(torch.int64), -1)
+        known = known.view(-1).to(torch.bool)
+        generation = torch.where(known, generation.to(torch.int64), -1)
+        fresh = self.generation[rows] != generation  # a new request in the slot (or none): start afresh
+        self._surv_sum[rows[fresh]] = 0.0
+        self._count[rows[fresh]] = 0.0
+        self.generation[rows] = generation
+        rows, conf = rows[known], confidence[known, : self.confidence.shape[1]].to(torch.float64)
+        if not rows.numel():
+            return
+        surv = torch.cumprod(conf, dim=1)
+        self._surv_sum[rows] += surv
+        self._count[rows] += 1.0
+        mean = surv.mean(dim=0)
+        self._prior_surv = mean if self._prior_surv is None else 0.9 * self._prior_surv + 0.1 * mean
+        est = (self.strength * self._prior_surv + self._surv_sum[rows]) / (self.strength + self._count[rows])[:, None]
+        previous = torch.cat([torch.ones_like(est[:, :1]), est[:, :-1]], dim=1)
+        cond = torch.where(previous > 0, est / previous.clamp_min(1e-300), torch.zeros_like(est))
+        self.confidence[rows] = cond.to(torch.float32)
 
     def read(self, *, rows: torch.Tensor, generation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(confidences [N, k], known [N] bool) for the slots `rows` whose current generations are given."""

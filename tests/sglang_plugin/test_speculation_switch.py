@@ -184,9 +184,10 @@ def test_recording_budget_planner_keeps_the_confidences_it_is_handed_and_the_sam
     kwargs = dict(sps_table=table, cfg=cfg, model_runner=Runner(), relay_lag_steps=relay_lag_steps)
     theirs, ours = dp.HostConfidenceBudgetPlanner(**kwargs), dp.HostConfidenceBudgetPlanner(**kwargs)
     ours.__class__ = RecordingBudgetPlanner
-    ours.stale_confidences = StaleConfidences(req_pool_size=8, block_size=3)
+    ours.stale_confidences = StaleConfidences(req_pool_size=8, block_size=3, strength=0.0)
     gen = torch.manual_seed(0)
     rows = torch.tensor([5, 2, 7])
+    handed = []
     for step in range(4):
         conf = torch.rand(3, 3, generator=gen)
         generation = torch.tensor([1, 1, 0 if step < 2 else 2])  # slot 7: never admitted, then a new request
@@ -195,10 +196,42 @@ def test_recording_budget_planner_keeps_the_confidences_it_is_handed_and_the_sam
         assert ours.compute_budget(**args) == theirs.compute_budget(**args)
         stored, known = ours.stale_confidences.read(rows=rows, generation=current)
         assert torch.equal(known, torch.tensor([True, True, step >= 2]))
-        # as handed: the relay's (already two steps old) under overlap; without it this drafting step's,
-        # where SGLang's planner itself reads them two planner calls late (its carry ring)
-        assert torch.equal(stored[:2], conf[:2].to(torch.float32))
+        # what it was handed (the relay's, already two steps old, under overlap; without it this drafting
+        # step's, where SGLang's planner itself reads them two planner calls late, its carry ring), kept as the
+        # request's mean survival (strength 0: no shrinking toward the prior), read back as conditionals
+        handed.append(conf[:2].double())
+        mean = torch.stack([torch.cumprod(c, dim=1) for c in handed]).mean(dim=0)
+        want = mean / torch.cat([torch.ones(2, 1, dtype=torch.float64), mean[:, :-1]], dim=1)
+        assert torch.allclose(stored[:2].double(), want, rtol=1e-6, atol=0)
+        if step == 0:
+            assert torch.equal(stored[:2], conf[:2].to(torch.float32))
     assert ours.carry_steps == (0 if relay_lag_steps == 2 else 2)
+
+
+@pytest.mark.sglang
+def test_stale_confidences_keep_each_request_mean_survival_shrunk_toward_all_requests():
+    from sglang_hspec.sglang_plugin.speculation_switch import StaleConfidences
+
+    stale = StaleConfidences(req_pool_size=4, block_size=2, strength=2.0)
+    one = torch.tensor([1, 1])
+    # survivals [0.5, 0.25] and [1, 0]: the running mean [0.75, 0.125]; row 0 = (2 x mean + own) / 3 = [2, 0.5] / 3
+    stale.write(rows=torch.tensor([0, 1]), confidence=torch.tensor([[0.5, 0.5], [1.0, 0.0]]), generation=one,
+                known=torch.tensor([True, True]))
+    conf, known = stale.read(rows=torch.tensor([0, 1]), generation=one)
+    assert known.tolist() == [True, True]
+    assert conf.flatten().tolist() == pytest.approx([2 / 3, 0.25, 2.5 / 3, 0.1], rel=1e-6)
+    # a snapshot that keeps nothing does not zero the request: mean 0.9 [0.75, 0.125] = [0.675, 0.1125], and
+    # row 0 = (2 x [0.675, 0.1125] + [0.5, 0.25] + [0, 0]) / 4 = [1.85, 0.475] / 4
+    stale.write(rows=torch.tensor([0]), confidence=torch.tensor([[0.0, 0.9]]), generation=torch.tensor([1]),
+                known=torch.tensor([True]))
+    conf, _ = stale.read(rows=torch.tensor([0]), generation=torch.tensor([1]))
+    assert conf.flatten().tolist() == pytest.approx([1.85 / 4, 0.475 / 1.85], rel=1e-6)
+    # a request not yet admitted (known False) is nobody's: unknown, and the slot starts afresh
+    stale.write(rows=torch.tensor([1]), confidence=torch.tensor([[0.9, 0.9]]), generation=torch.tensor([2]),
+                known=torch.tensor([False]))
+    assert stale.read(rows=torch.tensor([1]), generation=torch.tensor([2]))[1].tolist() == [False]
+    with pytest.raises(ValueError, match="strength"):
+        StaleConfidences(req_pool_size=1, block_size=1, strength=-1.0)
 
 
 @pytest.mark.sglang
