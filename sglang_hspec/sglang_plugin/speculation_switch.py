@@ -175,6 +175,15 @@ class StaleConfidences:
         known = (self.generation[rows] == generation.to(torch.int64)) & (generation >= 1)
         return self.confidence[rows], known
 
+    def prior(self) -> torch.Tensor | None:
+        """[k] float64: the conditionals of the running mean survival of every snapshot so far (None before
+        the first): the estimate for a batch of only new requests (requests served one at a time)."""
+        surv = self._prior_surv
+        if surv is None:
+            return None
+        previous = torch.cat([torch.ones_like(surv[:1]), surv[:-1]])
+        return torch.where(previous > 0, surv / previous.clamp_min(1e-300), torch.zeros_like(surv))
+
 
 class RecordingBudgetPlanner(HostConfidenceBudgetPlanner):
     """SGLang's host budget planner; also keeps the confidences it is handed (`StaleConfidences`).
@@ -259,8 +268,12 @@ class SpeculationSwitch:
         from sglang_hspec.scheduler.switch import decide_speculation, estimated_survival, next_probe_interval
 
         confidence, known = self.stale.read(rows=rows, generation=generation)
-        survival = estimated_survival(confidences=confidence, known=known, ratios=self.ratios)
         num_reqs = int(rows.numel())
+        # a batch of only new requests (served one at a time) rests on earlier requests' mean, as the reference
+        # engine's does: without it each request of a C = 1 stream decoded plainly until a probe
+        prior = self.stale.prior() if not bool(known.any()) else None
+        survival = estimated_survival(confidences=confidence, known=known, ratios=self.ratios, prior=prior)
+        known_rows = num_reqs if prior is not None else int(known.sum())
         guard = self.guard
         spec_scale = plain_scale = 1.0
         if guard is not None:  # the step decided last ends here; its realized rate is in the scales
@@ -270,7 +283,7 @@ class SpeculationSwitch:
             spec_scale, plain_scale = guard.scale("spec"), guard.scale("plain")
         decision = decide_speculation(
             survival=survival, costs=self.greedy_costs if greedy and self.greedy_costs is not None else self.costs,
-            known_rows=int(known.sum()),
+            known_rows=known_rows,
             steps_since_draft=self.steps_since_draft, probe_interval=self.probe_interval,
             probe_rows=max(1, num_reqs), margin=self.margin, min_survival=self.min_survival,
             spec_scale=spec_scale, plain_scale=plain_scale,

@@ -269,6 +269,29 @@ def test_guard_env_typo_names_variable():
         speculation_guard({"HSPEC_SPECULATION_GUARD": "yes"})
 
 
+@pytest.mark.sglang
+def test_switch_drafts_a_new_request_served_alone_on_earlier_requests_mean():
+    from sglang_hspec.sglang_plugin.speculation_switch import SpeculationSwitch
+
+    # requests one at a time (C = 1): a request the switch has no snapshot of rests on the running mean of earlier
+    # ones. 0.9 at every slot: 1 + 0.9 + ... + 0.9^7 = 5.7 tokens at 0.01 + 1 / 6.5 s, 34.8 tok/s against 10 plain.
+    # Without that prior it decoded plainly until its probe (the first step, then 4, 8, ... steps after a draft)
+    kw = dict(policy="auto", costs=_switch_costs(), block_size=7, req_pool_size=4, min_survival=0.0, guard=False)
+    cold = SpeculationSwitch(**kw)
+    assert cold.should_draft(rows=torch.tensor([0]), generation=torch.tensor([1])) and cold.last_decision.probe
+    switch = SpeculationSwitch(**kw)
+    switch.steps_since_draft = 0  # a request just served, drafting
+    switch.stale.write(rows=torch.tensor([0]), confidence=torch.full((1, 7), 0.9), generation=torch.tensor([1]),
+                       known=torch.tensor([True]))
+    assert switch.should_draft(rows=torch.tensor([1]), generation=torch.tensor([1]))  # a new request, slot 1
+    d = switch.last_decision
+    assert not d.probe and d.best_budget == 7
+    assert d.spec_tokens_per_sec == pytest.approx(sum(0.9 ** j for j in range(8)) / (0.01 + 1 / 6.5), rel=1e-6)
+    unknown = SpeculationSwitch(**kw)  # nothing written yet, not due to probe: plain
+    unknown.steps_since_draft = 0
+    assert not unknown.should_draft(rows=torch.tensor([1]), generation=torch.tensor([1]))
+
+
 def _drive_switch(switch, *, steps, clock, spec_seconds=None, committed=4):
     """One request (slot 0, generation 1) whose stale confidences are 0.9 at every slot; a drafting step
     commits `committed` tokens and takes `spec_seconds` (default: those tokens at the predicted rate), a plain
