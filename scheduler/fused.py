@@ -34,7 +34,7 @@ def survival_pass(conf, gen, slots, gens, ratios, prior, use_prior, min_survival
     """(num_known, known_rows, count): the N = len(slots) requests' estimated survivals that are
     >= min_survival, in scratch[:count] (any order).
 
-    conf [block_size, S] float64: each slot's last matured confidences; gen [S] int64: their
+    conf [block_size, S] float64: each slot's estimated confidences (mature_pass); gen [S] int64: their
     generation; slots / gens [N] int64: this step's requests; ratios [block_size]: the audit's rho_j;
     prior [block_size]: the running mean used when no request is known (use_prior); scratch
     [>= N block_size] float64. Known rows:

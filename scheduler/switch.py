@@ -11,18 +11,19 @@ commits N. The switch compares the two rates, with every cost taken from the pro
     speculate  iff  max_n spec(n) > (1 + margin) x plain  and the argmax n* > 0; then verify n* drafts.
 
 The survivals it reads are estimates from information at least `lag` steps old (the two-step-stale rule
-of `StalePolicy`, so the switch works under overlap scheduling): each request's last drafted calibrated
-confidences, corrected per slot by an acceptance audit `rho_j = (accepted_j + prior x rho_{j-1}) /
+of `StalePolicy`, so the switch works under overlap scheduling): each request's estimated calibrated
+confidences (AutoPolicy and the SGLang switch: the mean survival of its drafts, shrunk toward all requests'
+mean), corrected per slot by an acceptance audit `rho_j = (accepted_j + prior x rho_{j-1}) /
 (predicted_j + prior)`, rho_{-1} = 1 (observed accepts over the confidences predicted for the same
 verified slots, each slot shrunk toward the slot before it, so slots seldom verified inherit the
 correction of the ones that are; an untrained or miscalibrated head that promises 0.5 and delivers 0 is
 caught within a few verified slots), and for
-requests never drafted the mean of the known ones (`estimated_survival`; AutoPolicy falls back to a running
-mean of earlier requests' confidences when no request of the batch is known).
+requests never drafted the mean of the known ones (`estimated_survival`; both fall back to the running mean
+survival of earlier requests when no request of the batch is known).
 
 While it decodes plainly no confidences arrive, so it probes: when `probe_interval` steps have passed
 since the last draft (and at the very first step), it drafts `probe_rows` requests (those whose
-information is oldest) and verifies at least one draft token for each, which refreshes both their
+information is oldest) and verifies their drafts (AutoPolicy: whole blocks), which refreshes both their
 confidences and the audit. The interval doubles after every probe that does not switch speculation back
 on, up to a maximum, and resets when it does (`next_probe_interval`): a probe costs one draft forward over
 a few rows, so over T plain steps the probes cost O(log T) draft forwards.
@@ -242,7 +243,7 @@ def estimated_survival(*, confidences: torch.Tensor, known: torch.Tensor, ratios
                        prior: torch.Tensor | None = None) -> torch.Tensor:
     """Survival estimates [N, block_size] float64 for the switch (host tensors).
 
-    confidences [N, block_size]: each row's last drafted calibrated per-slot confidences (any values
+    confidences [N, block_size]: each row's estimated calibrated per-slot confidences (any values
     where the row is unknown); known [N] bool; ratios [block_size]: the audit's per-slot correction
     rho_j; prior [block_size]: the per-slot confidences assumed when no row is known (None: 1). Known
     rows: cumprod(clip(c_j x rho_j, 0, 1)); unknown rows: the same over the per-slot mean of the known
