@@ -231,6 +231,14 @@ def decision_from_best(*, num_reqs: int, best_n: int, best_rate: float, plain_ra
     return SpeculationDecision(False, 0, False, 0, best_n, best_rate, plain_rate)
 
 
+def conditionals_of_survival(survival: torch.Tensor) -> torch.Tensor:
+    """The per-slot conditionals c_j = S_j / S_{j-1} (S_{-1} = 1; 0 past a zero survival) of survivals
+    [..., block_size]: how an estimate kept as a mean survival is handed to the rules above, which take
+    conditionals (fused.mature_pass is its compiled twin)."""
+    previous = torch.cat([torch.ones_like(survival[..., :1]), survival[..., :-1]], dim=-1)
+    return torch.where(previous > 0, survival / previous.clamp_min(1e-300), torch.zeros_like(survival))
+
+
 def sum_rows_in_order(values: torch.Tensor) -> torch.Tensor:
     """values [R, ...] summed over the rows one after the other, left to right (a reduction may reorder
     the additions; the compiled twins in fused.py add in row order, and the twins agree to the bit)."""

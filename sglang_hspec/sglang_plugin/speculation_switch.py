@@ -164,10 +164,10 @@ class StaleConfidences:
         self._count[rows] += 1.0
         mean = surv.mean(dim=0)
         self._prior_surv = mean if self._prior_surv is None else 0.9 * self._prior_surv + 0.1 * mean
+        from sglang_hspec.scheduler.switch import conditionals_of_survival
+
         est = (self.strength * self._prior_surv + self._surv_sum[rows]) / (self.strength + self._count[rows])[:, None]
-        previous = torch.cat([torch.ones_like(est[:, :1]), est[:, :-1]], dim=1)
-        cond = torch.where(previous > 0, est / previous.clamp_min(1e-300), torch.zeros_like(est))
-        self.confidence[rows] = cond.to(torch.float32)
+        self.confidence[rows] = conditionals_of_survival(est).to(torch.float32)
 
     def read(self, *, rows: torch.Tensor, generation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(confidences [N, k], known [N] bool) for the slots `rows` whose current generations are given."""
@@ -178,11 +178,9 @@ class StaleConfidences:
     def prior(self) -> torch.Tensor | None:
         """[k] float64: the conditionals of the running mean survival of every snapshot so far (None before
         the first): the estimate for a batch of only new requests (requests served one at a time)."""
-        surv = self._prior_surv
-        if surv is None:
-            return None
-        previous = torch.cat([torch.ones_like(surv[:1]), surv[:-1]])
-        return torch.where(previous > 0, surv / previous.clamp_min(1e-300), torch.zeros_like(surv))
+        from sglang_hspec.scheduler.switch import conditionals_of_survival
+
+        return None if self._prior_surv is None else conditionals_of_survival(self._prior_surv)
 
 
 class RecordingBudgetPlanner(HostConfidenceBudgetPlanner):

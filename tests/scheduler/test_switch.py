@@ -490,3 +490,10 @@ def test_topk_lengths_cpu_selection_matches_reference_with_ties():
             want = planner.topk_lengths_reference(survival=torch.tensor(surv, dtype=dtype).tolist(), budget=budget,
                                                   min_survival=eps)
             assert got.tolist() == want and got.dtype == torch.long
+
+
+def test_conditionals_of_survival_hand_computed():
+    surv = torch.tensor([[0.5, 0.25, 0.0, 0.0], [1.0, 0.9, 0.45, 0.09]], dtype=torch.float64)
+    got = switch.conditionals_of_survival(surv).flatten().tolist()
+    assert got == pytest.approx([0.5, 0.5, 0.0, 0.0, 1.0, 0.9, 0.5, 0.2], rel=1e-12)
+    assert switch.conditionals_of_survival(surv[0]).tolist() == got[:4]  # any leading shape
